@@ -1,0 +1,98 @@
+"""Data passed between the pipeline stages: a compiled request, its prepared layout, readouts.
+
+Follows the shapes of the reference's `MSO1.ask_branch` (contract.md §4.5, §5): every stage reads
+and writes these dataclasses, so the reference, the ONNX Runtime and the TensorRT paths share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+QUESTION_TYPES = ("noul", "choice", "score")
+TYPE_IDS = {"noul": 0, "choice": 1, "score": 2}  # OptionScorer's log_tau order
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question after the contract: answer keys and rendered option texts, in order."""
+
+    id: str
+    type: str  # "noul" | "choice" | "score"
+    instructions: str
+    keys: tuple[str, ...]
+    option_texts: tuple[str, ...]  # already cut to 200 code points
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request that passed the contract (contract.md §2); the image is still encoded."""
+
+    image_mime: str  # "image/png" or "image/jpeg"
+    image_bytes: bytes  # decoded base64, magic bytes already checked against the MIME type
+    questions: tuple[Question, ...]
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """Decoded and preprocessed image (contract.md §4.7-4.8)."""
+
+    width: int  # original size
+    height: int
+    rgb: np.ndarray  # uint8 [H, W, 3], Pillow's convert("RGB")
+    pixel_values: np.ndarray  # float32 [patches, 1536]
+    grid_thw: tuple[int, int, int]  # (1, H/16, W/16)
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.grid_thw[1] // 2) * (self.grid_thw[2] // 2)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (question, option) row after the prefix (contract.md §4.5), row-local indices."""
+
+    tokens: tuple[int, ...]
+    zq: int
+    u: int
+    targets: tuple[tuple[int, int], ...]  # (position predicting, token)
+    first: int | None
+
+
+@dataclass(frozen=True)
+class QuestionLayout:
+    """A question's single-question sequence and its rows."""
+
+    question: Question
+    prompt: str
+    token_ids: tuple[int, ...]  # expanded: the image run is N copies of 248056
+    opens: tuple[int, ...]
+    closes: tuple[int, ...]
+    rows: tuple[Row, ...]
+    positions: np.ndarray  # int64 [3, len(token_ids)], M-RoPE positions of the whole sequence
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything the model side needs for one request."""
+
+    image: PreparedImage
+    layouts: tuple[QuestionLayout, ...]
+    prefix_length: int  # the reference's L
+    input_tokens: int  # L + sum of row lengths
+    prepare_seconds: float = 0.0
+
+    @property
+    def questions(self) -> tuple[Question, ...]:
+        return tuple(layout.question for layout in self.layouts)
+
+
+@dataclass
+class QuestionReadout:
+    """Model outputs of one question, as the heads consume them (contract.md §5-6)."""
+
+    zq: np.ndarray  # float32 [D]: the first row's zq hidden state
+    u: np.ndarray  # float32 [K, D]: one per option
+    picked: list[np.ndarray] = field(default_factory=list)  # per option float32 [n_k] log-probs
+    first: list[float | None] = field(default_factory=list)  # per option first-token log-prob
