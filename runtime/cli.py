@@ -1,0 +1,69 @@
+"""The `omnijev` command line: one entry point whose subcommands wrap every stage of the project."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, function, help); modules are imported only when their command runs.
+COMMANDS = {
+    "explain": ("runtime.explain", "cli_explain", "show what preparation makes of a request"),
+    "checkpoint": ("build_engines.checkpoints", "cli_checkpoint", "write a synthetic checkpoint"),
+    "merge": ("build_engines.merge", "cli_merge", "merge a release into an export"),
+    "reference": ("reference.mso1", "cli_reference", "answer a request with the PyTorch reference"),
+    "export": ("build_engines.onnx_export", "cli_export", "export ONNX files from a checkpoint"),
+    "engines": ("build_engines.engines", "cli_engines", "export, check and build engines"),
+    "run": ("runtime.executor", "cli_run", "answer a request file through the engines"),
+    "serve": ("server.app", "cli_serve", "serve POST /v1/systemone"),
+    "demo": ("server.app", "cli_demo", "build the tiny demo model and serve it on the CPU"),
+}
+
+
+def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    """Each command's options, declared here so that `omnijev --help` lists them all."""
+    if name in ("explain", "reference", "run"):
+        parser.add_argument("request", help="request JSON file")
+    if name in ("explain", "reference", "run", "export", "engines", "serve"):
+        parser.add_argument("--checkpoint", required=name != "explain", help="export directory")
+    if name == "checkpoint":
+        parser.add_argument("--preset", choices=("tiny", "4b"), default="tiny")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--out", required=True)
+        parser.add_argument("--release-only", action="store_true", help="do not merge")
+    if name == "merge":
+        parser.add_argument("--release", required=True)
+        parser.add_argument("--out", required=True)
+    if name == "reference":
+        parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+        parser.add_argument("--device", default=None)
+    if name in ("export", "engines"):
+        parser.add_argument("--out", required=True)
+        parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    if name == "engines":
+        parser.add_argument("--skip-plans", action="store_true", help="ONNX only")
+    if name in ("run", "serve"):
+        parser.add_argument("--engines", required=True)
+        parser.add_argument("--backend", default="auto")
+    if name in ("serve", "demo"):
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnijev", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, _, help_text) in COMMANDS.items():
+        add_arguments(name, sub.add_parser(name, help=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, function_name, _ = COMMANDS[args.command]
+    function = getattr(importlib.import_module(module_name), function_name)
+    return int(function(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
