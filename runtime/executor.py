@@ -1,0 +1,391 @@
+"""Answers prepared requests through the engines: vision once, the image prefix once, each
+question's text once, every option once, then readouts, heads and finishing.
+
+Follows the native worker's prefix-reuse executor (model.md §12.1) and `MSO1._finish`; the pass
+layout is planned by `runtime.passes` so that an answer never depends on the other questions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.backends import Backend, choose_backend
+from runtime.passes import OptionPass, Pass, Plan, QuestionPass, plan
+from runtime.types import Prepared, QuestionReadout
+
+MODEL_ID = "tinnel123/OmniJev"  # the name every response carries (contract.md §2.2)
+WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (contract.md §1.2)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Language-model shapes the state tensors need, read from config.json."""
+
+    hidden: int
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    delta_layers: int
+    conv_channels: int
+    conv_state: int  # kernel - 1 columns carried between passes
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> Dims:
+        text = config.get("text_config", config)
+        types = text.get("layer_types") or []
+        key_heads, value_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+        key_dim, value_dim = text["linear_key_head_dim"], text["linear_value_head_dim"]
+        return cls(
+            hidden=text["hidden_size"],
+            attention_layers=sum(t == "full_attention" for t in types),
+            kv_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            delta_layers=sum(t == "linear_attention" for t in types),
+            conv_channels=2 * key_heads * key_dim + value_heads * value_dim,
+            conv_state=text["linear_conv_kernel_dim"] - 1,
+            value_heads=value_heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+        )
+
+
+@dataclass
+class State:
+    """A batch of states as pass inputs: attention K/V with a validity mask, conv, recurrent."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    mask: torch.Tensor
+    conv: list[torch.Tensor]
+    rec: list[torch.Tensor]
+
+
+def layer_index(name: str) -> int:
+    return int(name.rsplit(".", 1)[1])
+
+
+class Executor:
+    """Holds the loaded model (export + engines) and answers prepared requests."""
+
+    model_id = MODEL_ID
+
+    def __init__(self, checkpoint: Path, engines: Path, backend: str = "auto"):
+        from build_engines.export_format import load_export
+
+        from runtime.heads import Heads
+        from runtime.tokenizer import load_tokenizer
+
+        self.export = load_export(Path(checkpoint))
+        self.config = self.export.config
+        self.dims = Dims.from_config(self.config)
+        self.tokenizer = load_tokenizer(Path(checkpoint))
+        self.heads = Heads.from_safetensors(Path(checkpoint) / "heads.safetensors")
+        self.calibration = self.export.calibration
+        self.backend: Backend = choose_backend(Path(engines), backend)
+        self.device = self.backend.device
+        self.pos_embed = self._vision_pos_embed()
+        self._lm_dtypes = self.backend.input_dtypes("lm_state")
+
+    # -- request side -------------------------------------------------------------------
+
+    def prepare(self, obj: dict) -> Prepared:
+        from runtime.contract import compile_request
+        from runtime.processing import prepare
+
+        return prepare(compile_request(obj), self.tokenizer)
+
+    def warm_up_request(self) -> dict:
+        return warm_up_request()
+
+    def answer(self, body: bytes) -> dict:
+        from runtime.strict_json import parse_body
+
+        return self.execute(self.prepare(parse_body(body)))
+
+    # -- model side ---------------------------------------------------------------------
+
+    def execute(self, prepared: Prepared) -> dict:
+        started = time.perf_counter()
+        readouts = self.readouts(prepared)
+        return self.respond(prepared, readouts, time.perf_counter() - started)
+
+    def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:
+        from runtime.finish import answer_question
+
+        total = prepared.prepare_seconds + seconds
+        per_question = total / len(prepared.layouts)
+        answers = {}
+        for layout, readout in zip(prepared.layouts, readouts, strict=True):
+            q = layout.question
+            answers[q.id] = answer_question(
+                self.heads, self.calibration, q, readout, round(per_question, 4), round(total, 4)
+            )
+        usage = {"input_tokens": prepared.input_tokens, "output_tokens": 0}
+        return {"model": MODEL_ID, "answers": answers, "usage": usage}
+
+    def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
+        """Hidden states and log-probabilities of every question, through the engines."""
+        work = plan(prepared)
+        with torch.inference_mode():
+            features = self.vision(prepared)
+            prefix, prefix_state = self.run_prefix(work, features)
+            question_states = []
+            zq: dict[int, np.ndarray] = {}
+            first: dict[tuple[int, int], float] = {}
+            for qp in work.questions:
+                hidden, logprobs, state = self.run_question(qp, prefix, prefix_state)
+                question_states.append(state)
+                for qi, index in qp.zq_read.items():
+                    zq[qi] = hidden[index]
+                for key, index in qp.first_read.items():
+                    first[key] = float(logprobs[index])
+            u: dict[tuple[int, int], np.ndarray] = {}
+            picked: dict[tuple[int, int], np.ndarray] = {}
+            for op in work.options:
+                hidden, logprobs = self.run_options(op, prefix, question_states[op.question_pass])
+                for key, index in op.u_read.items():
+                    u[key] = hidden[index]
+                for key, indices in op.text_reads.items():
+                    picked[key] = logprobs[indices].astype(np.float32)
+        return collect(prepared, zq, u, picked, first)
+
+    # -- passes -------------------------------------------------------------------------
+
+    def _vision_pos_embed(self) -> np.ndarray:
+        from safetensors.numpy import load_file
+
+        weights = load_file(str(self.export.dir / "vision.safetensors"))
+        return weights["model.visual.pos_embed.weight"].astype(np.float32)
+
+    def vision(self, prepared: Prepared) -> torch.Tensor:
+        from build_engines.modules import vision_inputs
+
+        image = prepared.image
+        inputs = vision_inputs(image.grid_thw, self.pos_embed, self.config)
+        inputs["pixel_values"] = image.pixel_values
+        dtypes = self.backend.input_dtypes("vision")
+        feeds = {name: self.tensor(inputs[name], dtypes[name]) for name in dtypes}
+        rows = image.image_tokens
+        out = torch.empty(rows, self.dims.hidden, dtype=self._lm_dtypes["image_features"])
+        outputs = {self.output_name("vision", "image_features"): out.to(self.device)}
+        self.backend.run("vision", feeds, outputs)
+        return next(iter(outputs.values()))
+
+    def output_name(self, graph: str, wanted: str) -> str:
+        names = self.backend.output_names(graph)
+        return wanted if wanted in names else names[0]
+
+    def tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype).contiguous()
+
+    def empty_state(self) -> State:
+        """A state with no past (P = Q = 1, masked) and zero recurrent state: exactly empty."""
+        d, dt = self.dims, self._lm_dtypes
+        kv = dict(dtype=dt["prefix_k.0"], device=self.device) if d.attention_layers else {}
+        zeros_kv = [
+            torch.zeros(1, d.kv_heads, 1, d.head_dim, **kv) for _ in range(d.attention_layers)
+        ]
+        return State(
+            k=zeros_kv,
+            v=[t.clone() for t in zeros_kv],
+            mask=torch.zeros(1, 1, dtype=torch.bool, device=self.device),
+            conv=[
+                torch.zeros(
+                    1, d.conv_channels, d.conv_state, dtype=dt["src_conv.0"], device=self.device
+                )
+                for _ in range(d.delta_layers)
+            ],
+            rec=[
+                torch.zeros(
+                    1,
+                    d.value_heads,
+                    d.key_dim,
+                    d.value_dim,
+                    dtype=dt["src_rec.0"],
+                    device=self.device,
+                )
+                for _ in range(d.delta_layers)
+            ],
+        )
+
+    def feeds(self, rows: Pass, features: torch.Tensor, prefix: State, src: State) -> dict:
+        arrays = rows.arrays()
+        feeds = {name: self.tensor(a, torch.int64) for name, a in arrays.items()}
+        feeds["image_features"] = features
+        feeds["prefix_mask"] = prefix.mask
+        feeds["src_mask"] = src.mask
+        for i in range(self.dims.attention_layers):
+            feeds[f"prefix_k.{i}"], feeds[f"prefix_v.{i}"] = prefix.k[i], prefix.v[i]
+            feeds[f"src_k.{i}"], feeds[f"src_v.{i}"] = src.k[i], src.v[i]
+        for j in range(self.dims.delta_layers):
+            feeds[f"src_conv.{j}"], feeds[f"src_rec.{j}"] = src.conv[j], src.rec[j]
+        return feeds
+
+    def outputs(self, rows: Pass, with_state: bool) -> dict[str, torch.Tensor]:
+        d, dt = self.dims, self._lm_dtypes
+        b, t = rows.shape
+        arrays = rows.arrays()
+        out = {
+            "hidden": torch.empty(len(arrays["read_rows"]), d.hidden, device=self.device),
+            "logprobs": torch.empty(len(arrays["target_rows"]), device=self.device),
+        }
+        if with_state:
+            for i in range(d.attention_layers):
+                for kind in ("k", "v"):
+                    out[f"out_{kind}.{i}"] = torch.empty(
+                        b, d.kv_heads, t, d.head_dim, dtype=dt["prefix_k.0"], device=self.device
+                    )
+            for j in range(d.delta_layers):
+                out[f"out_conv.{j}"] = torch.empty(
+                    b, d.conv_channels, d.conv_state, dtype=dt["src_conv.0"], device=self.device
+                )
+                out[f"out_rec.{j}"] = torch.empty(
+                    b,
+                    d.value_heads,
+                    d.key_dim,
+                    d.value_dim,
+                    dtype=dt["src_rec.0"],
+                    device=self.device,
+                )
+        return out
+
+    def run_pass(
+        self, rows: Pass, features: torch.Tensor, prefix: State, src: State, with_state: bool
+    ) -> dict[str, torch.Tensor]:
+        graph = "lm_state" if with_state else "lm_rows"
+        outputs = self.outputs(rows, with_state)
+        self.backend.run(graph, self.feeds(rows, features, prefix, src), outputs)
+        return outputs
+
+    def state_from(self, out: dict[str, torch.Tensor], rows: Pass) -> State:
+        d = self.dims
+        lengths = torch.as_tensor(rows.lengths, device=self.device)
+        positions = torch.arange(rows.shape[1], device=self.device)
+        return State(
+            k=[out[f"out_k.{i}"] for i in range(d.attention_layers)],
+            v=[out[f"out_v.{i}"] for i in range(d.attention_layers)],
+            mask=positions[None, :] < lengths[:, None],
+            conv=[out[f"out_conv.{j}"] for j in range(d.delta_layers)],
+            rec=[out[f"out_rec.{j}"] for j in range(d.delta_layers)],
+        )
+
+    def run_prefix(self, work: Plan, features: torch.Tensor) -> tuple[State, State]:
+        """The image prefix: its K/V become every later row's shared past."""
+        empty = self.empty_state()
+        out = self.run_pass(work.prefix, features, empty, empty, with_state=True)
+        state = self.state_from(out, work.prefix)
+        prefix = State(k=state.k, v=state.v, mask=state.mask, conv=[], rec=[])
+        after = State(k=empty.k, v=empty.v, mask=empty.mask, conv=state.conv, rec=state.rec)
+        return prefix, after
+
+    def run_question(
+        self, qp: QuestionPass, prefix: State, after_prefix: State
+    ) -> tuple[np.ndarray, np.ndarray, State]:
+        dummy = self.dummy_features()
+        out = self.run_pass(qp.rows, dummy, prefix, after_prefix, with_state=True)
+        hidden, logprobs = host(out["hidden"]), host(out["logprobs"])
+        return hidden, logprobs, self.state_from(out, qp.rows)
+
+    def run_options(
+        self, op: OptionPass, prefix: State, question_state: State
+    ) -> tuple[np.ndarray, np.ndarray]:
+        out = self.run_pass(op.rows, self.dummy_features(), prefix, question_state, False)
+        return host(out["hidden"]), host(out["logprobs"])
+
+    def dummy_features(self) -> torch.Tensor:
+        dtype = self._lm_dtypes["image_features"]
+        return torch.zeros(1, self.dims.hidden, dtype=dtype, device=self.device)
+
+
+def host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def collect(
+    prepared: Prepared,
+    zq: dict[int, np.ndarray],
+    u: dict[tuple[int, int], np.ndarray],
+    picked: dict[tuple[int, int], np.ndarray],
+    first: dict[tuple[int, int], float],
+) -> list[QuestionReadout]:
+    readouts = []
+    for qi, layout in enumerate(prepared.layouts):
+        k = len(layout.rows)
+        readouts.append(
+            QuestionReadout(
+                zq=zq[qi].astype(np.float32),
+                u=np.stack([u[(qi, j)] for j in range(k)]).astype(np.float32),
+                picked=[picked.get((qi, j), np.zeros(0, np.float32)) for j in range(k)],
+                first=[first.get((qi, j)) for j in range(k)],
+            )
+        )
+    return readouts
+
+
+def warm_up_image() -> str:
+    """The worker's warm-up image: a 96×64 PNG whose pixel (x, y) is RGB (x, y, 128)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    w, h = WARM_UP_SIZE
+    x, y = np.meshgrid(np.arange(w), np.arange(h))
+    rgb = np.stack([x, y, np.full_like(x, 128)], axis=-1).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def warm_up_request() -> dict:
+    """The request the worker runs before it reports ready (contract.md §1.2)."""
+    return {
+        "model": MODEL_ID,
+        "state": {"images": [warm_up_image()]},
+        "questions": {
+            "noul": {
+                "type": "noul",
+                "instructions": "The image is mostly blue.",
+                "region": {"box": [0, 0, 48, 32]},
+            },
+            "choice": {
+                "type": "choice",
+                "instructions": "Which colour dominates?",
+                "criteria": {"red": None, "green": "Mostly green", "blue": None},
+            },
+            "score": {
+                "type": "score",
+                "instructions": "How bright is the image?",
+                "levels": ["dark", "medium", "bright"],
+            },
+        },
+    }
+
+
+def load_engine(checkpoint: str, engines: str, backend: str = "auto") -> Executor:
+    return Executor(Path(checkpoint), Path(engines), backend)
+
+
+def cli_run(args) -> int:
+    """`omnijev run REQUEST.json --checkpoint DIR --engines DIR`: answer in process."""
+    from runtime.errors import BodyError, ContractError
+
+    executor = load_engine(args.checkpoint, args.engines, args.backend)
+    body = Path(args.request).read_bytes()
+    try:
+        response = executor.answer(body)
+    except (BodyError, ContractError) as error:
+        print(str(error), file=sys.stderr)
+        return 1
+    print(json.dumps(response, ensure_ascii=False))
+    return 0

@@ -1,0 +1,209 @@
+"""Plans the language-model passes of a prepared request: image prefix, question texts, options.
+
+Follows the prefix-reuse executor of the native worker (model.md §12.1) with one change: the
+splits are fixed points of each question's own sequence, never the reference's cross-question
+prefix `L`, so an answer cannot depend on the other questions (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.types import Prepared, QuestionLayout
+
+VISION_END = 248054  # <|vision_end|>: the image prefix ends with it (contract.md §4.3)
+PREFIX_STEP = 64  # image-prefix length bucket: one CUDA graph per 64 tokens of prefix
+TEXT_STEP = 16  # question-text and option length bucket
+QUESTION_BATCH = 16  # question-text rows per pass, at most
+OPTION_BATCH = 64  # option rows per pass, at most (the reference's chunk, model.md §8.4)
+
+
+def bucket(n: int, step: int) -> int:
+    """Round a length up to its bucket, so that shapes repeat across requests."""
+    return max(step, -(-n // step) * step)
+
+
+def batch_bucket(n: int, cap: int) -> int:
+    """Rows per pass: the next power of two, at most `cap`."""
+    size = 1
+    while size < n:
+        size *= 2
+    return min(size, cap)
+
+
+@dataclass
+class Pass:
+    """One pass over right-padded rows; arrays follow the ONNX inputs of docs/design.md."""
+
+    input_ids: np.ndarray  # int64 [B, T]
+    positions: np.ndarray  # int64 [3, B, T]
+    lengths: np.ndarray  # int64 [B]
+    src: np.ndarray  # int64 [B]
+    read_rows: list[int] = field(default_factory=list)  # flat indices into B * T
+    targets: list[tuple[int, int]] = field(default_factory=list)  # (flat index, token)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.input_ids.shape  # type: ignore[return-value]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Row inputs; readout arrays never empty (one dummy read keeps shapes non-zero)."""
+        read = self.read_rows or [0]
+        rows = [t[0] for t in self.targets] or [0]
+        tokens = [t[1] for t in self.targets] or [0]
+        return {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "lengths": self.lengths,
+            "src": self.src,
+            "read_rows": np.asarray(read, dtype=np.int64),
+            "target_rows": np.asarray(rows, dtype=np.int64),
+            "target_tokens": np.asarray(tokens, dtype=np.int64),
+        }
+
+
+@dataclass
+class QuestionPass:
+    """Question-text rows; `members[i]` is the question index of row i."""
+
+    rows: Pass
+    members: list[int]
+    zq_read: dict[int, int]  # question -> index into hidden readouts
+    first_read: dict[tuple[int, int], int]  # (question, option) -> index into logprobs
+
+
+@dataclass
+class OptionPass:
+    """Option rows continuing the states of one question pass."""
+
+    rows: Pass
+    question_pass: int
+    members: list[tuple[int, int]]  # (question, option) per row
+    u_read: dict[tuple[int, int], int]  # -> index into hidden readouts
+    text_reads: dict[tuple[int, int], list[int]]  # -> indices into logprobs, in token order
+
+
+@dataclass
+class Plan:
+    prefix: Pass
+    prefix_length: int  # valid tokens of the image prefix
+    questions: list[QuestionPass]
+    options: list[OptionPass]
+
+
+def image_prefix_length(layouts: tuple[QuestionLayout, ...]) -> int:
+    """Tokens through <|vision_end|>, identical for every question by the prompt template."""
+    ids = layouts[0].token_ids
+    end = ids.index(VISION_END) + 1
+    for layout in layouts[1:]:
+        if layout.token_ids[:end] != ids[:end]:
+            raise ValueError("questions do not share the image prefix")
+    return end
+
+
+def empty_pass(batch: int, length: int) -> Pass:
+    return Pass(
+        input_ids=np.zeros((batch, length), dtype=np.int64),
+        positions=np.zeros((3, batch, length), dtype=np.int64),
+        lengths=np.ones(batch, dtype=np.int64),
+        src=np.zeros(batch, dtype=np.int64),
+    )
+
+
+def fill_row(p: Pass, row: int, ids: list[int], positions: np.ndarray, src: int = 0) -> None:
+    n = len(ids)
+    p.input_ids[row, :n] = ids
+    p.positions[:, row, :n] = positions
+    # padded tokens keep counting so that rotary tables stay finite; they are masked anyway
+    last = positions[:, -1:] if n else np.zeros((3, 1), dtype=np.int64)
+    p.positions[:, row, n:] = last + np.arange(1, p.input_ids.shape[1] - n + 1)
+    p.lengths[row] = n
+    p.src[row] = src
+
+
+def plan_prefix(prepared: Prepared) -> tuple[Pass, int]:
+    layout = prepared.layouts[0]
+    n = image_prefix_length(prepared.layouts)
+    p = empty_pass(1, bucket(n, PREFIX_STEP))
+    fill_row(p, 0, list(layout.token_ids[:n]), layout.positions[:, :n])
+    return p, n
+
+
+def question_span(layout: QuestionLayout, start: int) -> tuple[list[int], np.ndarray]:
+    """The question's own text: from the image prefix to its zq token inclusive."""
+    end = layout.opens[0]
+    return list(layout.token_ids[start:end]), layout.positions[:, start:end]
+
+
+def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
+    """Option k's block <|opt|> … <|/opt|>, at the positions it has as the question's only
+    option (the reference branches each row straight after the question, model.md §8.4)."""
+    ids = list(layout.token_ids[layout.opens[k] : layout.closes[k] + 1])
+    base = int(layout.positions[0, layout.opens[0]])
+    return ids, np.broadcast_to(base + np.arange(len(ids)), (3, len(ids))).astype(np.int64)
+
+
+def plan_questions(prepared: Prepared, start: int) -> list[QuestionPass]:
+    spans = [question_span(layout, start) for layout in prepared.layouts]
+    groups: dict[int, list[int]] = {}
+    for qi, (ids, _) in enumerate(spans):
+        groups.setdefault(bucket(len(ids), TEXT_STEP), []).append(qi)
+    passes = []
+    for length, members in sorted(groups.items()):
+        for chunk_start in range(0, len(members), QUESTION_BATCH):
+            chunk = members[chunk_start : chunk_start + QUESTION_BATCH]
+            p = empty_pass(batch_bucket(len(chunk), QUESTION_BATCH), length)
+            qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
+            for row, qi in enumerate(chunk):
+                ids, positions = spans[qi]
+                fill_row(p, row, ids, positions)
+                zq_flat = row * length + len(ids) - 1
+                qp.zq_read[qi] = len(p.read_rows)
+                p.read_rows.append(zq_flat)
+                if prepared.layouts[qi].question.type == "score":
+                    continue
+                for k, option_row in enumerate(prepared.layouts[qi].rows):
+                    if option_row.first is not None:
+                        qp.first_read[(qi, k)] = len(p.targets)
+                        p.targets.append((zq_flat, option_row.first))
+            passes.append(qp)
+    return passes
+
+
+def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> list[OptionPass]:
+    passes = []
+    for pi, qp in enumerate(question_passes):
+        groups: dict[int, list[tuple[int, int, int]]] = {}
+        for source, qi in enumerate(qp.members):
+            layout = prepared.layouts[qi]
+            for k in range(len(layout.opens)):
+                n = layout.closes[k] - layout.opens[k] + 1
+                groups.setdefault(bucket(n, TEXT_STEP), []).append((qi, k, source))
+        for length, rows in sorted(groups.items()):
+            for chunk_start in range(0, len(rows), OPTION_BATCH):
+                chunk = rows[chunk_start : chunk_start + OPTION_BATCH]
+                p = empty_pass(batch_bucket(len(chunk), OPTION_BATCH), length)
+                op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
+                for row, (qi, k, source) in enumerate(chunk):
+                    layout = prepared.layouts[qi]
+                    ids, positions = option_span(layout, k)
+                    fill_row(p, row, ids, positions, src=source)
+                    op.members.append((qi, k))
+                    op.u_read[(qi, k)] = len(p.read_rows)
+                    p.read_rows.append(row * length + len(ids) - 1)
+                    reads = []
+                    if layout.question.type != "score":
+                        for j in range(1, len(ids) - 1):  # text tokens, each from the one before
+                            reads.append(len(p.targets))
+                            p.targets.append((row * length + j - 1, ids[j]))
+                    op.text_reads[(qi, k)] = reads
+                passes.append(op)
+    return passes
+
+
+def plan(prepared: Prepared) -> Plan:
+    prefix, n = plan_prefix(prepared)
+    questions = plan_questions(prepared, n)
+    return Plan(prefix, n, questions, plan_options(prepared, questions))
