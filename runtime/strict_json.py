@@ -1,0 +1,145 @@
+"""Strict JSON parse of a request body into its top-level object (contract.md §1.5).
+
+Follows the native worker's `json::parse` (`S1@04d43d0 src/models/qwen3_5/native/src/json.rs`):
+Python's `json` accepts NaN/Infinity, duplicate keys, lone surrogate escapes and out-of-range
+numbers, and recurses without a limit of its own, so each of those is refused here explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from runtime.errors import BodyError
+
+# json.rs refuses a container at depth >= 127, counting arrays and objects, with the body's own
+# object at depth 0: at most 127 containers may be open at once.
+MAX_OPEN_CONTAINERS = 127
+# serde_json keeps integers in i64 ∪ u64 exact and reads larger ones as f64 (json.rs then refuses
+# those beyond f64's range); a JSON integer has no leading zeros, so 20 characters bound that range.
+I64_MIN = -(2**63)
+U64_MAX = 2**64 - 1
+MAX_EXACT_INT_CHARS = 20  # len("-9223372036854775808") == len(str(U64_MAX)) == 20
+BOM = b"\xef\xbb\xbf"
+
+NOT_VALID = "request body is not valid JSON: "
+NOT_OBJECT = "request body must be a JSON object"
+
+# A JSON string, or an unterminated one running to the end: matching to the end keeps the depth
+# scan linear on bodies full of unclosed quotes (possessive, so nothing backtracks either).
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+# Only a `\uD800`-`\uDFFF` escape can leave a surrogate in a decoded string (strict UTF-8 refuses
+# encoded ones), so bodies without one skip the surrogate walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+class _Refusal(ValueError):
+    """A strict-parse refusal raised from inside `json.loads`' hooks."""
+
+
+def parse_body(body: bytes) -> dict:
+    """The request body's top-level object, or a `BodyError` with the worker's 400 message."""
+    text = _decode(body)
+    if _max_open_containers(body) > MAX_OPEN_CONTAINERS:
+        raise BodyError(NOT_VALID + "recursion limit exceeded")
+    check_surrogates = _SURROGATE_ESCAPE.search(body) is not None
+    try:
+        value = json.loads(
+            text,
+            object_pairs_hook=_object_hook(check_surrogates),
+            parse_float=_parse_float,
+            parse_int=_parse_int,
+            parse_constant=_parse_constant,
+        )
+        if check_surrogates:
+            _check_strings(value)
+    except (_Refusal, json.JSONDecodeError) as error:
+        raise BodyError(NOT_VALID + str(error)) from None
+    except RecursionError:  # the depth scan should make this unreachable
+        raise BodyError(NOT_VALID + "recursion limit exceeded") from None
+    if not isinstance(value, dict):
+        raise BodyError(NOT_OBJECT)
+    return value
+
+
+def _decode(body: bytes) -> str:
+    if body.startswith(BOM):
+        raise BodyError(NOT_VALID + "a byte-order mark is not allowed")
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BodyError(NOT_VALID + f"invalid UTF-8 at byte {error.start}") from None
+
+
+def _max_open_containers(body: bytes) -> int:
+    """The most arrays and objects open at once, brackets inside strings ignored."""
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    opens = brackets.count(b"[") + brackets.count(b"{")
+    if opens <= MAX_OPEN_CONTAINERS:
+        return opens  # fast path: never deeper than the number of containers
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
+
+
+def _object_hook(check_surrogates: bool) -> Callable[[list[tuple[str, object]]], dict]:
+    def build(pairs: list[tuple[str, object]]) -> dict:
+        if check_surrogates:
+            # before the duplicate check, so no message ever carries a lone surrogate
+            for key, _ in pairs:
+                _check_string(key)
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise _Refusal(f"duplicate key {json.dumps(key, ensure_ascii=False)}")
+                seen.add(key)
+        return obj
+
+    return build
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _Refusal("number out of range")
+    return value
+
+
+def _parse_int(text: str) -> int | float:
+    if len(text) <= MAX_EXACT_INT_CHARS:
+        value = int(text)
+        if I64_MIN <= value <= U64_MAX:
+            return value
+    return _parse_float(text)  # float() has no digit limit, unlike int()
+
+
+def _parse_constant(name: str) -> float:
+    raise _Refusal(f"{name} is not allowed")
+
+
+def _check_string(text: str) -> None:
+    if _SURROGATE.search(text):
+        raise _Refusal("lone surrogate in string")
+
+
+def _check_strings(value: object) -> None:
+    """Walks every key and string value; iterative, though depth is already bounded."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _check_string(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                _check_string(key)
+                stack.append(child)
+        elif isinstance(item, list):
+            stack.extend(item)

@@ -1,0 +1,132 @@
+"""The strict JSON parse refuses what the worker's json.rs refuses, and stays fast on big bodies."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from runtime.errors import BodyError
+from runtime.strict_json import MAX_OPEN_CONTAINERS, parse_body
+
+NOT_VALID = "request body is not valid JSON: "
+
+
+def nested(depth: int) -> bytes:
+    """`{"a": [[…]]}` whose innermost array sits at worker depth `depth` (the object is 0)."""
+    return b'{"a": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+
+
+def refusal(body: bytes) -> str:
+    with pytest.raises(BodyError) as caught:
+        parse_body(body)
+    assert caught.value.status == 400
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"a": NaN}', "NaN"),
+        (b'{"a": Infinity}', "Infinity"),
+        (b'{"a": -Infinity}', "-Infinity"),
+        (b'{"a": 1e400}', "number out of range"),
+        (b'{"a": -1e400}', "number out of range"),
+        (b'{"a": 1' + b"0" * 400 + b"}", "number out of range"),
+        (b'{"a": -1' + b"0" * 5000 + b"}", "number out of range"),
+        (b'{"a": "\\ud800x"}', "lone surrogate"),
+        (b'{"a": "\\udc00"}', "lone surrogate"),
+        (b'{"a": ["ok", "\\uDBFF"]}', "lone surrogate"),
+        (b'{"\\ud800": 1}', "lone surrogate"),
+        (b'{"\\ud800": 1, "\\ud800": 2}', "lone surrogate"),
+        (b'{"a": "\\ud800\\u0041"}', "lone surrogate"),
+        (b'{"a": 1, "b": 2, "a": 3}', 'duplicate key "a"'),
+        (b'{"q": {"w": {"e": {"r": {"t": 1, "t": 2}}}}}', 'duplicate key "t"'),
+        (b'{"a": [{"x": 1}, {"y": 1, "y": 1}]}', 'duplicate key "y"'),
+        (nested(MAX_OPEN_CONTAINERS), "recursion limit exceeded"),
+        (b"[" * 100_000, "recursion limit exceeded"),
+        (b'{"a": [1,]}', ""),
+        (b'{"a": 1,}', ""),
+        (b"{} x", "Extra data"),
+        (b"{}{}", "Extra data"),
+        (b"\xef\xbb\xbf{}", "byte-order mark"),
+        (b'{"a": "\xff"}', "invalid UTF-8"),
+        (b'{"a": "\xed\xa0\x80"}', "invalid UTF-8"),  # an encoded surrogate is not UTF-8
+        (b"", ""),
+        (b'{"a": "x\ny"}', ""),  # raw control character inside a string
+        (b"{'a': 1}", ""),
+    ],
+)
+def test_refuses_what_the_worker_refuses(body: bytes, reason: str) -> None:
+    message = refusal(body)
+    assert message.startswith(NOT_VALID)
+    assert reason in message
+
+
+@pytest.mark.parametrize("body", [b"[]", b"1", b'"x"', b"null", b"true", b" [ {} ] "])
+def test_top_level_must_be_an_object(body: bytes) -> None:
+    assert refusal(body) == "request body must be a JSON object"
+
+
+def test_depth_126_is_the_deepest_accepted() -> None:
+    assert MAX_OPEN_CONTAINERS == 127
+    value = parse_body(nested(MAX_OPEN_CONTAINERS - 1))["a"]
+    for _ in range(MAX_OPEN_CONTAINERS - 1):
+        assert isinstance(value, list)
+        value = value[0]
+    assert value == 1
+    # objects count as arrays do: 127 nested objects pass, 128 do not
+    deepest = b'{"a":' * MAX_OPEN_CONTAINERS + b"1" + b"}" * MAX_OPEN_CONTAINERS
+    assert parse_body(deepest)
+    assert refusal(b'{"a":' + deepest + b"}").endswith("recursion limit exceeded")
+
+
+def test_brackets_inside_strings_do_not_count() -> None:
+    text = "[" * 500 + '\\"{' * 200
+    assert parse_body(json.dumps({"a": text}).encode()) == {"a": text}
+    # many sibling containers are not nesting
+    assert len(parse_body(b'{"a": [' + b"[[]]," * 10_000 + b"[]]}")["a"]) == 10_001
+
+
+def test_accepts_what_is_valid() -> None:
+    body = (
+        b'{"pair": "\\ud83d\\ude80", "lone_looking": "\\\\ud800",'
+        b' "ints": [0, -0, 18446744073709551615, -9223372036854775808, 18446744073709551616],'
+        b' "small": 1e-400, "max": 1.7976931348623157e308,'
+        b' "nested": {"a": {"a": 1}}, "ws": [ 1 ,\t2\r\n] }'
+    )
+    value = parse_body(body)
+    assert value["pair"] == "\U0001f680"
+    assert value["lone_looking"] == "\\ud800"
+    assert value["ints"][:4] == [0, 0, 2**64 - 1, -(2**63)]
+    assert value["ints"][4] == float(2**64) and isinstance(value["ints"][4], float)
+    assert value["small"] == 0.0
+    assert value["max"] == 1.7976931348623157e308
+    assert value["ws"] == [1, 2]
+
+
+def test_key_order_is_preserved() -> None:
+    keys = ["z", "a", "m", "b", "y"]
+    body = "{" + ", ".join(f'"{key}": {{"{key}2": 1, "0": 2}}' for key in keys) + "}"
+    value = parse_body(body.encode())
+    assert list(value) == keys
+    assert list(value["m"]) == ["m2", "0"]
+
+
+def test_a_12_mib_body_parses_fast() -> None:
+    image = "data:image/png;base64," + "A" * (12 * 1024 * 1024 - 200)
+    question = {"type": "noul", "instructions": "x"}
+    request = {"state": {"images": [image]}, "questions": {"q": question}}
+    body = json.dumps(request).encode()
+    assert len(body) <= 12 * 1024 * 1024
+    started = time.perf_counter()
+    assert parse_body(body)["state"]["images"][0] == image
+    assert time.perf_counter() - started < 0.5
+
+
+def test_pathological_bodies_are_refused_fast() -> None:
+    started = time.perf_counter()
+    refusal(b'{"a": "' + b'\\"' * 1_000_000)  # unterminated string full of escaped quotes
+    refusal(b"[" * 1_000_000)
+    assert time.perf_counter() - started < 1.0
