@@ -1,1 +1,19 @@
-"""calibration package."""
+"""Calibration of the heads' probabilities: reading head_meta.json and the export manifest's
+calibration block (the reference's `MSO1.__init__`, contract.md §7.1, §8.2) and checking it (ECE).
+"""
+
+from calibration.meta import (
+    HeadMeta,
+    calibration_from_manifest,
+    expected_calibration_error,
+    head_meta,
+    read_head_meta,
+)
+
+__all__ = [
+    "HeadMeta",
+    "calibration_from_manifest",
+    "expected_calibration_error",
+    "head_meta",
+    "read_head_meta",
+]

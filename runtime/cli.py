@@ -15,6 +15,8 @@ COMMANDS = {
     "export": ("build_engines.onnx_export", "cli_export", "export ONNX files from a checkpoint"),
     "engines": ("build_engines.engines", "cli_engines", "export, check and build engines"),
     "run": ("runtime.executor", "cli_run", "answer a request file through the engines"),
+    "parity": ("runtime.bench", "cli_parity", "compare answers with the float32 reference"),
+    "bench": ("runtime.bench", "cli_bench", "time the workloads, with the reference beside"),
     "serve": ("server.app", "cli_serve", "serve POST /v1/systemone"),
     "demo": ("server.app", "cli_demo", "build the tiny demo model and serve it on the CPU"),
 }
@@ -24,7 +26,7 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     """Each command's options, declared here so that `omnijev --help` lists them all."""
     if name in ("explain", "reference", "run"):
         parser.add_argument("request", help="request JSON file")
-    if name in ("explain", "reference", "run", "export", "engines", "serve"):
+    if name in ("explain", "reference", "run", "export", "engines", "serve", "parity", "bench"):
         parser.add_argument("--checkpoint", required=name != "explain", help="export directory")
     if name == "checkpoint":
         parser.add_argument("--preset", choices=("tiny", "4b"), default="tiny")
@@ -42,9 +44,15 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     if name == "engines":
         parser.add_argument("--skip-plans", action="store_true", help="ONNX only")
-    if name in ("run", "serve"):
+    if name in ("run", "serve", "parity", "bench"):
         parser.add_argument("--engines", required=True)
         parser.add_argument("--backend", default="auto")
+    if name in ("parity", "bench"):
+        parser.add_argument("--device", default=None)
+        parser.add_argument("--out", default=None, help="write the full report as JSON")
+    if name == "bench":
+        parser.add_argument("--runs", type=int, default=20)
+        parser.add_argument("--reference-dtype", choices=("float32", "bfloat16"), default=None)
     if name in ("serve", "demo"):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)

@@ -1,0 +1,336 @@
+"""Decision heads and LM features in float32 NumPy (contract.md §6).
+
+Follows the reference's `OptionScorer` (Choice, Noul), `OrdinalScoreHead` (Score) and the six
+LM features of `lm_option_feats` / `branch.py`; weights come from the export's `heads.safetensors`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import ExecutionError
+from runtime.types import TYPE_IDS, QuestionReadout
+
+HIDDEN = 2560  # Qwen3.5-4B hidden size (contract §6.1)
+N_FEATS = 6  # LM features per option (contract §6.2)
+OPTION_WIDTH_CAP = 1024  # OptionScorer d_hidden: min(1024, 2·D) (contract §6.1)
+ORDINAL_WIDTH_CAP = 512  # OrdinalScoreHead d_hidden: min(512, D) (contract §6.1)
+
+EMPTY_SUM = np.float32(-1e4)  # lm_option_feats masks an empty option's sum with -1e4 before dist
+FEAT_SCALE = np.float32(10.0)  # sum/10 and n/10 in the features
+SOFTPLUS_THRESHOLD = 20.0  # torch softplus default (beta 1): linear above this
+ORDINAL_FLOOR = np.float32(1e-8)  # OrdinalScoreHead clamps each level probability to this
+
+# Exact GELU needs erf; NumPy has none. erf is computed in float64 by the positive-term series
+# erf(a) = 2/√π·e^(−a²)·Σ (2a²)^n·a/(1·3·…·(2n+1)) below ERF_SPLIT and by the continued fraction
+# erfc(a) = e^(−a²)/√π / (a + ½/(a + 1/(a + 3/2/(a + …)))) above it. ERF_TERMS of each give a
+# relative error below 2e-14 for erf and 3e-13 for erfc against libm, far below a float32 ulp.
+ERF_SPLIT = 2.5
+ERF_TERMS = 40
+TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+SQRT_HALF = math.sqrt(0.5)
+
+
+def option_width(hidden: int) -> int:
+    """OptionScorer's inner width for hidden size D."""
+    return min(OPTION_WIDTH_CAP, 2 * hidden)
+
+
+def ordinal_width(hidden: int) -> int:
+    """OrdinalScoreHead's inner width for hidden size D."""
+    return min(ORDINAL_WIDTH_CAP, hidden)
+
+
+def _linear(name: str, out: Callable[[int], int], inp: Callable[[int], int]) -> dict:
+    return {
+        f"{name}.weight": lambda d: (out(d), inp(d)),
+        f"{name}.bias": lambda d: (out(d),),
+    }
+
+
+def _hidden(d: int) -> int:
+    return d
+
+
+def _one(d: int) -> int:
+    return 1
+
+
+def _feats(d: int) -> int:
+    return N_FEATS
+
+
+# Tensor name -> shape as a function of the hidden size D (PyTorch Linear layout [out, in]).
+HEAD_SHAPES: dict[str, Callable[[int], tuple[int, ...]]] = {
+    **_linear("head.opt.0", option_width, _hidden),
+    **_linear("head.opt.2", option_width, option_width),
+    **_linear("head.que.0", option_width, _hidden),
+    **_linear("head.que.2", option_width, option_width),
+    **_linear("head.score", _one, option_width),
+    "head.log_tau": lambda d: (len(TYPE_IDS),),
+    **_linear("head.abstain", _one, option_width),
+    **_linear("head.feat", option_width, _feats),
+    **_linear("head.feat_lin", _one, _feats),
+    **_linear("ord.z.0", ordinal_width, _hidden),
+    **_linear("ord.z.2", _one, ordinal_width),
+    **_linear("ord.cut.0", ordinal_width, _hidden),
+    **_linear("ord.cut.2", _one, ordinal_width),
+}
+
+
+def head_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of `heads.safetensors` and its shape for hidden size D."""
+    return {name: shape(hidden) for name, shape in HEAD_SHAPES.items()}
+
+
+def erf64(a: np.ndarray) -> np.ndarray:
+    """erf in float64, vectorized (see ERF_SPLIT for the method and its accuracy)."""
+    a = np.asarray(a, dtype=np.float64)
+    mag = np.abs(a)
+    out = np.empty_like(mag)
+    near = mag < ERF_SPLIT
+    out[near] = _erf_series(mag[near])
+    out[~near] = 1.0 - _erfc_fraction(mag[~near])
+    return np.copysign(out, a)
+
+
+def erfc64(a: np.ndarray) -> np.ndarray:
+    """erfc in float64 without cancellation for large positive arguments."""
+    a = np.asarray(a, dtype=np.float64)
+    out = np.empty_like(a)
+    far = a >= ERF_SPLIT
+    out[far] = _erfc_fraction(a[far])
+    out[~far] = 1.0 - erf64(a[~far])
+    return out
+
+
+def _erf_series(a: np.ndarray) -> np.ndarray:
+    a2 = a * a
+    term = a.copy()
+    total = a.copy()
+    for n in range(1, ERF_TERMS):
+        term = term * (2.0 * a2 / (2 * n + 1))
+        total = total + term
+    return TWO_OVER_SQRT_PI * np.exp(-a2) * total
+
+
+def _erfc_fraction(a: np.ndarray) -> np.ndarray:
+    f = a.copy()
+    for k in range(ERF_TERMS, 0, -1):
+        f = a + (k / 2.0) / f
+    return np.exp(-a * a) / math.sqrt(math.pi) / f
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """Exact (erf) GELU x·Φ(x): float64 inside, one rounding to float32."""
+    x64 = np.asarray(x, dtype=np.float64)
+    # Φ(x) = ½·erfc(−x/√2) stays accurate for very negative x, where 1 + erf(x/√2) cancels
+    return (x64 * 0.5 * erfc64(-x64 * SQRT_HALF)).astype(np.float32)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """Logistic function in float64 without overflow, rounded to float32."""
+    x64 = np.asarray(x, dtype=np.float64)
+    e = np.exp(-np.abs(x64))
+    return np.where(x64 >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """torch softplus (beta 1, threshold 20): x above the threshold, else log1p(exp(x))."""
+    x64 = np.asarray(x, dtype=np.float64)
+    soft = np.log1p(np.exp(np.minimum(x64, SOFTPLUS_THRESHOLD)))
+    return np.where(x64 > SOFTPLUS_THRESHOLD, x64, soft).astype(np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax of a float32 vector in float32, shifted by its maximum."""
+    e = np.exp(x - x.max())
+    return (e / e.sum(dtype=np.float32)).astype(np.float32)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-softmax of a float32 vector in float32: (x − max) − log Σ exp(x − max)."""
+    shifted = x - x.max()
+    return (shifted - np.log(np.exp(shifted).sum(dtype=np.float32))).astype(np.float32)
+
+
+def _quiet(method: Callable) -> Callable:
+    """Overflow becomes inf/nan without warnings: outputs are checked for finiteness instead."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _check_output(values: np.ndarray, count: int) -> np.ndarray:
+    if values.ndim != 1 or values.shape[0] == 0 or values.shape[0] != count:
+        raise ExecutionError("invalid head output")
+    if not np.all(np.isfinite(values)):
+        raise ExecutionError("invalid head output")
+    return values
+
+
+def _as_input(value, shape: tuple[int, ...]) -> np.ndarray:
+    array = np.asarray(value, dtype=np.float32)
+    if array.shape != shape or not np.all(np.isfinite(array)):
+        raise ExecutionError("invalid head input")
+    return array
+
+
+class Heads:
+    """The OptionScorer and OrdinalScoreHead weights of one export, applied in float32."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], hidden: int | None = None):
+        if "head.opt.0.weight" not in tensors:
+            raise ValueError("heads: head.opt.0.weight is missing")
+        d = int(tensors["head.opt.0.weight"].shape[-1]) if hidden is None else hidden
+        expected = head_shapes(d)
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        if missing or extra:
+            raise ValueError(f"heads: missing {missing}, unexpected {extra}")
+        self.hidden = d
+        self.w: dict[str, np.ndarray] = {}
+        for name, shape in expected.items():
+            array = np.asarray(tensors[name])
+            if array.dtype != np.float32:
+                raise ValueError(f"heads: {name} is {array.dtype}, expected float32")
+            if tuple(array.shape) != shape:
+                got, want = list(array.shape), list(shape)
+                raise ValueError(f"heads: {name} has shape {got}, expected {want}")
+            if not np.all(np.isfinite(array)):
+                raise ValueError(f"heads: {name} is not finite")
+            self.w[name] = np.ascontiguousarray(array)
+
+    @classmethod
+    def from_safetensors(cls, path: str | Path, hidden: int | None = None) -> Heads:
+        """Load `heads.safetensors` (all F32), checking names, shapes and finiteness."""
+        from safetensors.numpy import load_file
+
+        return cls(load_file(str(path)), hidden)
+
+    def _dense(self, name: str, x: np.ndarray) -> np.ndarray:
+        return (x @ self.w[f"{name}.weight"].T + self.w[f"{name}.bias"]).astype(np.float32)
+
+    def _mlp(self, name: str, x: np.ndarray) -> np.ndarray:
+        """Linear → exact GELU → Linear."""
+        return self._dense(f"{name}.2", gelu(self._dense(f"{name}.0", x)))
+
+    def _inputs(self, zq, u) -> tuple[np.ndarray, np.ndarray]:
+        u = np.asarray(u, dtype=np.float32)
+        if u.ndim != 2 or u.shape[0] == 0:
+            raise ExecutionError("invalid head input")
+        return _as_input(zq, (self.hidden,)), _as_input(u, (u.shape[0], self.hidden))
+
+    @_quiet
+    def option_scorer(
+        self, zq: np.ndarray, u: np.ndarray, feats: np.ndarray | None, type_id: int
+    ) -> tuple[np.ndarray, np.float32]:
+        """OptionScorer logits [K] and the abstain logit (0 for Noul, as the reference's vector).
+
+        `feats` None means a head without LM features (head_meta `lm_feats` false)."""
+        zq, u = self._inputs(zq, u)
+        k = u.shape[0]
+        g = np.tanh(self._mlp("head.que", zq[None, :]))[0]
+        h = self._mlp("head.opt", u) * g
+        if feats is not None:
+            feats = _as_input(feats, (k, N_FEATS))
+            h = h + self._dense("head.feat", feats)
+        logit = self._dense("head.score", h)[:, 0]
+        if feats is not None:
+            logit = logit + self._dense("head.feat_lin", feats)[:, 0]
+        tau = np.exp(self.w["head.log_tau"][type_id])
+        logit = (logit / tau).astype(np.float32)
+        abstain = np.float32(0.0)
+        if type_id != TYPE_IDS["noul"]:
+            abstain = np.float32(self._dense("head.abstain", g[None, :])[0, 0] / tau)
+        if not np.isfinite(abstain):
+            raise ExecutionError("invalid head output")
+        return _check_output(logit, k), abstain
+
+    def option_logits(
+        self, zq: np.ndarray, u: np.ndarray, feats: np.ndarray | None, type_id: int
+    ) -> np.ndarray:
+        """The reference's `OptionScorer.logits` vector: [K option logits, abstain] float32."""
+        logit, abstain = self.option_scorer(zq, u, feats, type_id)
+        return np.append(logit, abstain).astype(np.float32)
+
+    @_quiet
+    def option_mu(
+        self, zq: np.ndarray, u: np.ndarray, feats: np.ndarray | None, type_id: int
+    ) -> np.ndarray:
+        """mu [K]: Noul sigmoid(logit); otherwise softmax([logits…, abstain])[:K]."""
+        logit, abstain = self.option_scorer(zq, u, feats, type_id)
+        if type_id == TYPE_IDS["noul"]:
+            mu = sigmoid(logit)
+        else:
+            mu = softmax(np.append(logit, abstain).astype(np.float32))[:-1]
+        return _check_output(mu, logit.shape[0])
+
+    @_quiet
+    def ordinal_mu(self, zq: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """OrdinalScoreHead's cumulative-link level probabilities [K], levels in caller order."""
+        zq, u = self._inputs(zq, u)
+        z = self._mlp("ord.z", zq[None, :])[0, 0]
+        raw = self._mlp("ord.cut", u)[:, 0]
+        # torch's CPU cumsum accumulates float32 in double and rounds each partial sum
+        steps = np.cumsum(softplus(raw[1:]).astype(np.float64)).astype(np.float32)
+        theta = raw[0] + np.concatenate([np.zeros(1, np.float32), steps])
+        cdf = sigmoid(theta - z)
+        cdf[-1] = np.float32(1.0)
+        p = np.concatenate([cdf[:1], cdf[1:] - cdf[:-1]])
+        return _check_output(np.maximum(p, ORDINAL_FLOOR).astype(np.float32), u.shape[0])
+
+
+def lm_features(picked: Sequence[np.ndarray], first: Sequence[float | None]) -> np.ndarray:
+    """The six LM features [K, 6] of one question's options (contract §6.2), float32."""
+    k = len(picked)
+    if k == 0 or len(first) != k:
+        raise ExecutionError("invalid head input")
+    sums = np.zeros(k, np.float32)
+    counts = np.zeros(k, np.float32)
+    for i, values in enumerate(picked):
+        values = np.asarray(values, dtype=np.float32).reshape(-1)
+        if not np.all(np.isfinite(values)):
+            raise ExecutionError("invalid head input")
+        if values.size:  # index_add order: float32 adds left to right (cumsum is sequential)
+            sums[i] = np.cumsum(values, dtype=np.float32)[-1]
+        counts[i] = np.float32(values.size)
+    valid = counts > 0
+    mean = np.where(valid, sums / np.maximum(counts, np.float32(1)), np.float32(0))
+    dist = log_softmax(np.where(valid, sums, EMPTY_SUM).astype(np.float32))
+    firsts = np.array([0.0 if f is None else f for f in first], dtype=np.float32)
+    if not np.all(np.isfinite(firsts)):
+        raise ExecutionError("invalid head input")
+    feats = np.stack(
+        [sums / FEAT_SCALE, mean, counts / FEAT_SCALE, dist, firsts, valid.astype(np.float32)],
+        axis=1,
+    )
+    return feats.astype(np.float32)
+
+
+def question_mu(
+    heads: Heads,
+    question_type: str,
+    readout: QuestionReadout,
+    ordinal: bool = True,
+    lm_feats: bool = True,
+) -> np.ndarray:
+    """mu of one question from its readout: the ordinal head for Score, else the OptionScorer.
+
+    For LM features `readout.picked`/`first` need one entry per option (an empty array and None
+    for an option without text, as a plain Noul's)."""
+    if question_type not in TYPE_IDS:
+        raise ExecutionError("invalid head input")
+    if question_type == "score" and ordinal:
+        return heads.ordinal_mu(readout.zq, readout.u)
+    feats = lm_features(readout.picked, readout.first) if lm_feats else None
+    return heads.option_mu(readout.zq, readout.u, feats, TYPE_IDS[question_type])
