@@ -81,7 +81,6 @@ class Executor:
 
     def __init__(self, checkpoint: Path, engines: Path, backend: str = "auto"):
         from build_engines.export_format import load_export
-
         from runtime.heads import Heads
         from runtime.tokenizer import load_tokenizer
 
@@ -162,10 +161,10 @@ class Executor:
     # -- passes -------------------------------------------------------------------------
 
     def _vision_pos_embed(self) -> np.ndarray:
-        from safetensors.numpy import load_file
+        from safetensors import safe_open
 
-        weights = load_file(str(self.export.dir / "vision.safetensors"))
-        return weights["model.visual.pos_embed.weight"].astype(np.float32)
+        with safe_open(str(self.export.dir / "vision.safetensors"), framework="pt") as f:
+            return f.get_tensor("model.visual.pos_embed.weight").float().numpy()
 
     def vision(self, prepared: Prepared) -> torch.Tensor:
         from build_engines.modules import vision_inputs

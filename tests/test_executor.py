@@ -1,0 +1,133 @@
+"""The executor on ONNX Runtime (CPU, float32, tiny checkpoint): parity with the float32
+reference, invariance to the other questions and their order, repeatability, `omnijev run`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
+from runtime.bench import compare, encode, photo_image
+from tests.engine_fixtures import tiny_engines
+
+PARITY = 1.0001e-4  # the issue's 1e-4 on answers rounded to four decimals: one unit of the last
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    return tiny_engines(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def executor(engines):
+    from runtime.executor import load_engine
+
+    export, engine_dir = engines
+    return load_engine(str(export), str(engine_dir), "onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    from reference.mso1 import Reference
+
+    return Reference(engines[0], dtype="float32", device="cpu")
+
+
+IMAGES = {
+    "pattern.png": (pattern_png(640, 480), "image/png"),
+    "photo.jpg": (encode(photo_image(800, 600, 3), "JPEG"), "image/jpeg"),
+}
+
+
+def without_latency(response: dict) -> dict:
+    return {
+        qid: {k: v for k, v in answer.items() if not k.startswith("latency")}
+        for qid, answer in response["answers"].items()
+    }
+
+
+@pytest.mark.parametrize("image_name", sorted(IMAGES))
+@pytest.mark.parametrize("questions", ["speed_bench", "gate"])
+def test_matches_float32_reference(executor, reference, image_name, questions):
+    image, mime = IMAGES[image_name]
+    qs = speed_bench_questions(12) if questions == "speed_bench" else gate_questions()
+    body = request_body(image, qs, mime)
+    ours, theirs = executor.answer(body), reference.answer(body)
+    result = compare(theirs, ours)
+    assert result["input_tokens_equal"]
+    assert max(result["differences"]) <= PARITY, result
+    assert not result["flips"]
+    assert list(ours["answers"]) == list(qs)
+
+
+def test_readouts_match_reference_states(executor, reference):
+    """Below the rounding: the hidden states and log-probabilities themselves agree."""
+    from reference.questions import build_request
+    from runtime.contract import compile_request
+    from runtime.processing import prepare
+
+    request = compile_request(build_request(pattern_png(320, 224), gate_questions()))
+    prepared = prepare(request, executor.tokenizer)
+    ours, theirs = executor.readouts(prepared), reference.readouts(prepared)
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.allclose(a.zq, b.zq, atol=1e-4, rtol=1e-4)
+        assert np.allclose(a.u, b.u, atol=1e-4, rtol=1e-4)
+        for pa, pb in zip(a.picked, b.picked, strict=True):
+            assert np.allclose(pa, pb, atol=1e-4, rtol=1e-5)
+        for fa, fb in zip(a.first, b.first, strict=True):
+            assert (fa is None) == (fb is None)
+            assert fa is None or abs(fa - fb) <= 1e-4
+
+
+def test_answer_does_not_depend_on_other_questions_or_order(executor):
+    image, mime = IMAGES["pattern.png"]
+    questions = {**speed_bench_questions(12), **gate_questions()}
+    together = without_latency(executor.answer(request_body(image, questions, mime)))
+    reversed_qs = dict(reversed(list(questions.items())))
+    backwards = without_latency(executor.answer(request_body(image, reversed_qs, mime)))
+    assert list(backwards) == list(reversed_qs)
+    for qid, question in questions.items():
+        alone = without_latency(executor.answer(request_body(image, {qid: question}, mime)))
+        assert json.dumps(alone[qid]) == json.dumps(together[qid]), qid
+        assert json.dumps(backwards[qid]) == json.dumps(together[qid]), qid
+
+
+def test_repeated_requests_are_identical(executor):
+    image, mime = IMAGES["photo.jpg"]
+    body = request_body(image, speed_bench_questions(6), mime)
+    first = without_latency(executor.answer(body))
+    for _ in range(2):
+        assert json.dumps(without_latency(executor.answer(body))) == json.dumps(first)
+
+
+def test_response_shape(executor):
+    image, mime = IMAGES["pattern.png"]
+    response = executor.answer(request_body(image, speed_bench_questions(3), mime))
+    assert list(response) == ["model", "answers", "usage"]
+    assert response["model"] == "tinnel123/OmniJev"
+    assert response["usage"]["output_tokens"] == 0
+    q0, q1, q2 = (response["answers"][q] for q in ("q0", "q1", "q2"))
+    assert list(q0) == ["choice", "probabilities", "abstain", "valid", "confidence", "latency_s",
+                        "latency_total_s"]
+    assert list(q1) == ["noul", "latency_s", "latency_total_s"]
+    assert list(q2) == ["score", "probabilities", "confidence", "latency_s", "latency_total_s"]
+    assert q0["latency_total_s"] > 0
+
+
+def test_cli_run(engines, tmp_path):
+    export, engine_dir = engines
+    request = tmp_path / "request.json"
+    request.write_bytes(request_body(pattern_png(64, 48), speed_bench_questions(1)))
+    command = [sys.executable, "-m", "runtime.cli", "run", str(request), "--checkpoint",
+               str(export), "--engines", str(engine_dir)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "q0" in json.loads(done.stdout)["answers"]
+    request.write_text('{"questions": {}}')
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == "request requires state"
