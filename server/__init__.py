@@ -1,1 +1,4 @@
-"""server package."""
+"""The HTTP worker (`omnijev serve`): FastAPI app, admission and metrics.
+
+Follows the native worker's main.rs (contract.md §1); see server/app.py.
+"""

@@ -1,0 +1,459 @@
+"""The HTTP worker: `POST /v1/systemone`, `GET /health` and `GET /metrics` on FastAPI.
+
+Follows the native worker's main.rs (contract.md §1): the same routes, order of checks, statuses,
+bodies and admission; unlike it, the server binds at once and warms up in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any, Literal, Protocol
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runtime.errors import BodyError, ContractError
+from runtime.strict_json import parse_body
+from runtime.types import Prepared
+from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
+from server.metrics import CONTENT_TYPE, DECISION_PATH, Metrics, RequestRecord
+
+MAX_BODY = 12 * 1024 * 1024  # contract.md §1.4: 12,582,912 bytes
+# a refused body up to this size is read and dropped so that its client reads the 413 instead
+# of a connection reset; a larger one is cut off
+DRAIN_LIMIT = 64 * 1024 * 1024
+REQUEST_ID_MAX = 128  # longer client ids are replaced (anchors.md §8: request ids)
+RETRY_AFTER = {"Retry-After": "1"}  # contract.md §1.5
+# admitted work finishes before a SIGTERM'd worker exits; 16 requests of 255 options take minutes
+# (contract.md §1.6: 40.6 s median with 8 clients)
+GRACEFUL_SHUTDOWN_S = 300
+DEMO_DIR = Path("artifacts/demo")
+DEMO_BACKEND = "auto"  # the demo has ONNX Runtime engines only, which `auto` picks without a GPU
+
+log = logging.getLogger("omnijev.server")
+
+
+class Engine(Protocol):
+    """The model side: the contract and preparation, then execution (runtime.executor)."""
+
+    model_id: str
+
+    def prepare(self, obj: dict) -> Prepared:
+        """Contract and preparation; raises runtime.errors.ContractError (422)."""
+        ...
+
+    def execute(self, prepared: Prepared) -> dict:
+        """The response object; any exception is a failed execution (500)."""
+        ...
+
+    def warm_up_request(self) -> dict:
+        """The warm-up request body of contract.md §1.2."""
+        ...
+
+
+# OpenAPI documentation only: requests are parsed by runtime.strict_json and runtime.contract.
+
+
+class Region(BaseModel):
+    box: list[float] = Field(min_length=4, max_length=4, description="[x1, y1, x2, y2] in pixels")
+
+
+class NoulQuestion(BaseModel):
+    type: Literal["noul"]
+    instructions: str = Field(max_length=8192)
+    region: Region | None = None
+
+
+class ChoiceOption(BaseModel):
+    key: str | None = None
+    text: str | None = None
+    region: Region | None = None
+    abstain: bool | None = Field(None, description="abstain entries are skipped")
+
+
+class ChoiceQuestion(BaseModel):
+    type: Literal["choice"]
+    instructions: str = Field(max_length=8192)
+    options: list[ChoiceOption] | None = Field(None, description="reference form")
+    criteria: dict[str, str | None] | None = Field(None, description="key -> rubric or null")
+
+
+class ScoreQuestion(BaseModel):
+    type: Literal["score"]
+    instructions: str = Field(max_length=8192)
+    levels: list[str] | None = None
+    criteria: dict[str, str | None] | None = Field(None, description="keyed by level")
+
+
+class ImageState(BaseModel):
+    images: list[str] = Field(
+        min_length=1, max_length=1, description="one data:image/png or data:image/jpeg base64 URL"
+    )
+
+
+Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+class DecisionRequest(BaseModel):
+    """Strict JSON: unknown fields, duplicate keys, NaN and deep nesting are refused."""
+
+    model: str | None = Field("tinnel123/OmniJev", description="also omnijev, omnijev-4b-v1.1")
+    state: ImageState
+    questions: dict[str, Question] = Field(description="1 to 64, answered in this order")
+
+
+class NoulAnswer(BaseModel):
+    noul: float
+    latency_s: float
+    latency_total_s: float
+
+
+class ChoiceAnswer(BaseModel):
+    choice: str
+    probabilities: dict[str, float]
+    abstain: float
+    valid: bool
+    confidence: float
+    latency_s: float
+    latency_total_s: float
+
+
+class ScoreAnswer(BaseModel):
+    score: str
+    probabilities: dict[str, float]
+    confidence: float
+    latency_s: float
+    latency_total_s: float
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int = 0
+
+
+class DecisionResponse(BaseModel):
+    model: str = "tinnel123/OmniJev"
+    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer]
+    usage: Usage
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+class HealthBody(BaseModel):
+    status: str
+    model: str | None = None
+
+
+DECISION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": DecisionResponse, "description": "answers in question order"},
+    400: {"model": ErrorBody, "description": "not strict JSON, or not an object"},
+    413: {"model": ErrorBody, "description": "body over 12 MiB"},
+    422: {"model": ErrorBody, "description": "contract or preparation refusal"},
+    500: {"model": ErrorBody, "description": "inference failed"},
+    503: {"model": ErrorBody, "description": "busy or warming up; retry after Retry-After"},
+}
+DECISION_BODY = {
+    "required": True,
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/DecisionRequest"}}},
+}
+
+
+def error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def encode(response: dict) -> bytes:
+    """Compact JSON in the engine's field order; NaN or infinity is an execution failure."""
+    text = json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode()
+
+
+def request_id(scope: Scope) -> str:
+    """The client's x-request-id if it is 1-128 printable ASCII characters, else a new one."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            if 0 < len(value) <= REQUEST_ID_MAX and all(0x20 <= b < 0x7F for b in value):
+                return value.decode("ascii")
+            break
+    return uuid.uuid4().hex
+
+
+async def read_body(request: Request) -> bytes | None:
+    """The body, or None when it exceeds 12 MiB: Content-Length first, then counted as it comes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        # without a 100 Continue the client sends nothing more; a huge body is not worth reading
+        if request.headers.get("expect", "").lower() == "100-continue":
+            return None
+        if int(declared) > DRAIN_LIMIT:
+            return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY:
+            chunks.append(chunk)
+        elif size > DRAIN_LIMIT:
+            break
+        else:
+            chunks.clear()
+    return b"".join(chunks) if size <= MAX_BODY else None
+
+
+async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    """Set `gone` when the client closes the connection (call after the body is read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+class RequestLog:
+    """ASGI middleware: an x-request-id on every response, one log line and metrics per request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        record = RequestRecord(request_id(scope), scope["method"], scope["path"])
+        scope.setdefault("state", {})["record"] = record
+        header = (b"x-request-id", record.request_id.encode("ascii"))
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                record.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s: unhandled error", record.request_id)
+            if started:
+                raise
+            await error(500, "internal error")(scope, receive, send_with_id)
+        finally:
+            record.total_s = time.perf_counter() - start
+            self.metrics.observe(record)
+
+
+class Worker:
+    """The engine behind the scheduler: warm-up state and the work of one admitted request."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.state = "warming up"  # then "ready" or "warm-up failed"
+
+    async def warm_up(self) -> None:
+        """Run the warm-up request through prepare and execute; only then is the worker ready."""
+        start = time.perf_counter()
+        ticket = Ticket()
+        try:
+            prepared = await self.scheduler.prepare(ticket, self._prepare_warm_up, None)
+            await self.scheduler.execute(ticket, self.engine.execute, prepared)
+        except Exception:
+            log.exception("warm-up failed; the worker will not answer")
+            self.state = "warm-up failed"
+            return
+        self.state = "ready"
+        log.info("warm-up done in %.3f s", time.perf_counter() - start)
+
+    def _prepare_warm_up(self, _: None) -> Prepared:
+        return self.engine.prepare(self.engine.warm_up_request())
+
+    async def answer(self, ticket: Ticket, obj: dict, record: RequestRecord) -> tuple[int, bytes]:
+        """Prepare and execute one admitted request: (status, body); never raises."""
+        try:
+            prepared = await self.scheduler.prepare(ticket, self.engine.prepare, obj)
+            record.input_tokens = prepared.input_tokens
+            record.questions = len(prepared.questions)
+            response = await self.scheduler.execute(ticket, self.engine.execute, prepared)
+            body, status = encode(response), 200
+        except Dropped:
+            record.outcome = "dropped"
+            return 499, b""  # nginx's "client closed request"; nobody reads it
+        except ContractError as exc:
+            body, status = encode({"detail": str(exc)}), 422
+        except Exception:
+            log.exception("request %s: inference failed", record.request_id)
+            body, status = encode({"detail": "inference failed"}), 500
+        if ticket.gone.is_set():
+            record.outcome = "client gone"
+        return status, body
+
+
+def documented_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The app's OpenAPI document with DecisionRequest as the body of POST /v1/systemone."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            schema = DecisionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(schema.pop("$defs", {}))
+            schemas["DecisionRequest"] = schema
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    return openapi
+
+
+def create_app(engine: Engine, *, admitted: int = ADMITTED, preparing: int = PREPARING) -> FastAPI:
+    """The worker's app. It listens at once and warms up in a background thread at startup.
+
+    Until the warm-up request has run through engine.prepare and engine.execute, `GET /health`
+    answers 503 `{"status": "warming up"}` and `POST /v1/systemone` answers 503
+    `{"detail": "the worker is warming up"}` with `Retry-After: 1`; then `/health` answers 200
+    `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
+    """
+    scheduler = Scheduler(admitted, preparing)
+    metrics = Metrics(scheduler)
+    worker = Worker(engine, scheduler)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        warming = asyncio.ensure_future(worker.warm_up())
+        yield
+        await warming
+        await scheduler.close()
+
+    app = FastAPI(
+        title="OmniJev worker",
+        version="1.1",
+        description="OmniJev-4B decisions over one image: noul, choice and score questions.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(RequestLog, metrics=metrics)
+    app.openapi = documented_openapi(app)  # type: ignore[method-assign]
+
+    @app.post(
+        DECISION_PATH,
+        responses=DECISION_RESPONSES,
+        openapi_extra={"requestBody": DECISION_BODY},
+    )
+    async def decide(request: Request) -> Response:
+        """Answer the questions about the image (contract.md §2-3)."""
+        record: RequestRecord = request.state.record
+        try:
+            body = await read_body(request)
+        except ClientDisconnect:
+            record.outcome = "client gone"
+            return Response(status_code=499)
+        if body is None:  # the rest of the body may still be on its way, so close after
+            return error(413, "request body exceeds 12 MiB", {"Connection": "close"})
+        try:
+            obj = await asyncio.to_thread(parse_body, body)
+        except BodyError as exc:
+            return error(400, str(exc))
+        if worker.state == "warm-up failed":
+            return error(503, "the worker failed to warm up")
+        if worker.state != "ready":
+            return error(503, "the worker is warming up", RETRY_AFTER)
+        ticket = scheduler.admit(lambda ticket: worker.answer(ticket, obj, record))
+        if ticket is None:
+            metrics.rejections.inc()
+            record.admission = "rejected"
+            return error(503, "the worker is busy", RETRY_AFTER)
+        metrics.admissions.inc()
+        record.admission = "admitted"
+        return await finish(request, ticket, record)
+
+    async def finish(request: Request, ticket: Ticket, record: RequestRecord) -> Response:
+        """Await the admitted work; if the client goes away, the work goes on or is dropped."""
+        watcher = asyncio.ensure_future(watch_disconnect(request.receive, ticket.gone))
+        try:
+            status, body = await asyncio.shield(ticket.task)
+        finally:
+            watcher.cancel()
+            record.queue_wait_s = ticket.queue_wait_s
+            record.prepare_s = ticket.prepare_s
+            record.execute_s = ticket.execute_s
+        return Response(body, status_code=status, media_type="application/json")
+
+    @app.get("/health", response_model=HealthBody, responses={503: {"model": HealthBody}})
+    async def health() -> JSONResponse:
+        """200 once the warm-up request has run; 503 before."""
+        if worker.state == "ready":
+            return JSONResponse({"status": "ready", "model": engine.model_id})
+        return JSONResponse({"status": worker.state}, status_code=503)
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus text: requests by status, stage latency, admission, queue depth, tokens."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class ListeningServer(uvicorn.Server):
+    """uvicorn's server, logging the native worker's startup line once it listens (§1.1)."""
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info("OmniJev worker listening on %s:%d", self.config.host, self.config.port)
+
+
+def serve(app: FastAPI, host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT; admitted work finishes first."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        access_log=False,  # RequestLog writes one JSON line per request instead
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    ListeningServer(config).run()
+
+
+def cli_serve(args: Any) -> int:
+    """`omnijev serve --checkpoint DIR --engines DIR [--backend auto] [--host H --port P]`."""
+    from runtime.executor import load_engine
+
+    engine = load_engine(args.checkpoint, args.engines, args.backend)
+    serve(create_app(engine), args.host, args.port)
+    return 0
+
+
+def cli_demo(args: Any) -> int:
+    """Build the tiny synthetic checkpoint and its ONNX Runtime engines once, then serve them."""
+    from build_engines import checkpoints, engines
+    from runtime.executor import load_engine
+
+    checkpoint, engines_dir = DEMO_DIR / "checkpoint", DEMO_DIR / "engines"
+    if not (checkpoint / "omnijev_export.json").exists():  # the manifest is written last
+        checkpoints.make_checkpoint("tiny", 0, checkpoint)
+    if not engines_dir.exists():
+        partial = DEMO_DIR / "engines.partial"  # renamed when complete, so a crash rebuilds
+        shutil.rmtree(partial, ignore_errors=True)
+        engines.build_engines(checkpoint, partial, plans=False)
+        partial.rename(engines_dir)
+    engine = load_engine(str(checkpoint), str(engines_dir), DEMO_BACKEND)
+    serve(create_app(engine), args.host, args.port)
+    return 0

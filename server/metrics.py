@@ -1,0 +1,115 @@
+"""Prometheus metrics and the one-line JSON log of each request to the worker.
+
+The native worker's main.rs has neither; the metric names follow the precedents listed in
+anchors.md §8 (requests by status, stage latency, input tokens, queue depth).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from server.admission import Scheduler
+
+DECISION_PATH = "/v1/systemone"  # contract.md §1.3
+STAGES = ("prepare", "queue_wait", "execute", "total")
+# seconds; one question takes ~0.16 s and a 16-deep queue of 255-option requests minutes
+# (anchors.md §2, contract.md §1.6)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+QUIET_PATHS = ("/health", "/metrics")  # probes: logged at debug level only
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+log = logging.getLogger("omnijev.requests")
+
+
+@dataclass
+class RequestRecord:
+    """What one request did; logged as one JSON line and counted in the metrics when it ends."""
+
+    request_id: str
+    method: str
+    path: str
+    status: int = 0
+    admission: str | None = None  # "admitted" | "rejected" (busy), decision requests only
+    outcome: str | None = None  # e.g. "answered", "dropped", "client gone"
+    input_tokens: int | None = None
+    questions: int | None = None
+    queue_wait_s: float | None = None
+    prepare_s: float | None = None
+    execute_s: float | None = None
+    total_s: float | None = None
+
+    def log_line(self) -> str:
+        fields = {key: value for key, value in asdict(self).items() if value is not None}
+        for key, value in fields.items():
+            if key.endswith("_s"):
+                fields[key] = round(value, 6)
+        return json.dumps(fields, ensure_ascii=False)
+
+
+class Metrics:
+    """The worker's metrics in a registry of its own, so that several apps share a process."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "omnijev_requests", "decision requests by status", ["status"], registry=registry
+        )
+        self.latency = Histogram(
+            "omnijev_stage_seconds",
+            "decision request latency by stage",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        # counted when admission decides, so that requests still running are included
+        self.admissions = Counter("omnijev_admitted", "requests admitted", registry=registry)
+        self.rejections = Counter(
+            "omnijev_rejected", "requests refused because 16 were admitted", registry=registry
+        )
+        self.input_tokens = Counter(
+            "omnijev_input_tokens", "input tokens of answered requests", registry=registry
+        )
+        self.questions = Counter(
+            "omnijev_questions", "questions of answered requests", registry=registry
+        )
+        Gauge(
+            "omnijev_admitted_requests", "requests admitted now", registry=registry
+        ).set_function(lambda: scheduler.admitted)
+        Gauge(
+            "omnijev_queue_depth", "prepared requests waiting to execute", registry=registry
+        ).set_function(lambda: scheduler.waiting)
+        Gauge(
+            "omnijev_preparing_requests", "requests in preparation now", registry=registry
+        ).set_function(lambda: scheduler.preparing)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe(self, record: RequestRecord) -> None:
+        """Count a finished request and write its log line."""
+        if record.path in QUIET_PATHS:
+            log.debug(record.log_line())
+            return
+        log.info(record.log_line())
+        if record.path != DECISION_PATH:
+            return
+        self.requests.labels(str(record.status)).inc()
+        if record.status == 200:
+            self.input_tokens.inc(record.input_tokens or 0)
+            self.questions.inc(record.questions or 0)
+        for stage in STAGES:
+            seconds = getattr(record, f"{stage}_s")
+            if seconds is not None:
+                self.latency.labels(stage).observe(seconds)
