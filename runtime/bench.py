@@ -198,15 +198,20 @@ def parity_table(report: dict) -> str:
 # -- latency -----------------------------------------------------------------------------------
 
 
-def time_runs(answer, request: bytes, runs: int, sync=None) -> list[float]:
+def time_runs(answer, request: bytes, runs: int, stages: dict | None = None) -> list[float]:
+    """Wall seconds of `runs` warm calls; with `stages`, collects the executor's per-stage times."""
     answer(request)  # warm-up: graphs captured, caches filled
-    times = []
+    answer(request)
+    times, per_stage = [], {}
     for _ in range(runs):
         start = time.perf_counter()
         answer(request)
-        if sync:
-            sync()
         times.append(time.perf_counter() - start)
+        for stage, seconds in (stages or {}).items():
+            per_stage.setdefault(stage, []).append(seconds)
+    if stages is not None:
+        stages.clear()
+        stages.update({k: statistics.median(v) for k, v in per_stage.items()})
     return times
 
 

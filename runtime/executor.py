@@ -94,6 +94,7 @@ class Executor:
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
+        self.stages: dict[str, float] = {}  # seconds per stage of the last request
 
     # -- request side -------------------------------------------------------------------
 
@@ -116,7 +117,11 @@ class Executor:
     def execute(self, prepared: Prepared) -> dict:
         started = time.perf_counter()
         readouts = self.readouts(prepared)
-        return self.respond(prepared, readouts, time.perf_counter() - started)
+        heads_started = time.perf_counter()
+        response = self.respond(prepared, readouts, heads_started - started)
+        self.stages["prepare"] = prepared.prepare_seconds
+        self.stages["heads"] = time.perf_counter() - heads_started
+        return response
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:
         from runtime.finish import answer_question
@@ -135,9 +140,12 @@ class Executor:
     def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
         """Hidden states and log-probabilities of every question, through the engines."""
         work = plan(prepared)
+        clock = Stopwatch(self.stages)
         with torch.inference_mode():
             features = self.vision(prepared)
+            clock.lap("vision")
             prefix, prefix_state = self.run_prefix(work, features)
+            clock.lap("prefix")
             question_states = []
             zq: dict[int, np.ndarray] = {}
             first: dict[tuple[int, int], float] = {}
@@ -148,6 +156,7 @@ class Executor:
                     zq[qi] = hidden[index]
                 for key, index in qp.first_read.items():
                     first[key] = float(logprobs[index])
+            clock.lap("questions")
             u: dict[tuple[int, int], np.ndarray] = {}
             picked: dict[tuple[int, int], np.ndarray] = {}
             for op in work.options:
@@ -156,6 +165,7 @@ class Executor:
                     u[key] = hidden[index]
                 for key, indices in op.text_reads.items():
                     picked[key] = logprobs[indices].astype(np.float32)
+            clock.lap("options")
         return collect(prepared, zq, u, picked, first)
 
     # -- passes -------------------------------------------------------------------------
@@ -304,6 +314,19 @@ class Executor:
     def dummy_features(self) -> torch.Tensor:
         dtype = self._lm_dtypes["image_features"]
         return torch.zeros(1, self.dims.hidden, dtype=dtype, device=self.device)
+
+
+class Stopwatch:
+    """Writes the seconds since the previous lap under each stage name."""
+
+    def __init__(self, stages: dict[str, float]):
+        self.stages = stages
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.stages[stage] = now - self.last
+        self.last = now
 
 
 def host(t: torch.Tensor) -> np.ndarray:

@@ -1,19 +1,26 @@
 """ONNX Runtime backend: one session per graph, torch tensors bound in place through IOBinding.
 
 On CUDA, every tensor stays on the device between passes (states never travel to the host);
-with `cuda_graphs` each distinct set of shapes gets its own `gpu_graph_id` (engines.md §7.3).
+with CUDA graphs each distinct set of shapes gets its own `gpu_graph_id` and its own persistent
+buffers, captured on first use and replayed afterwards (engines.md §7.3).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import torch
 
+log = logging.getLogger("omnijev.ort")
+
 ONNX_DIR = "onnx_ort"  # the ONNX Runtime variant inside an engine directory
+GRAPHS = ("vision", "lm_state", "lm_rows")
+MAX_CUDA_GRAPHS = 64  # shape signatures kept per session; each holds its own buffers
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32,
     "tensor(bfloat16)": torch.bfloat16,
@@ -52,32 +59,87 @@ def onnx_dir(engines_dir: Path) -> Path:
     return path if path.is_dir() else Path(engines_dir)
 
 
+def bind(binding: ort.IOBinding, name: str, tensor: torch.Tensor, output: bool) -> None:
+    device = "cuda" if tensor.is_cuda else "cpu"
+    method = binding.bind_output if output else binding.bind_input
+    method(
+        name,
+        device,
+        tensor.device.index or 0,
+        element_type(tensor.dtype),
+        list(tensor.shape),
+        tensor.data_ptr(),
+    )
+
+
+@dataclass
+class GraphSlot:
+    """Persistent buffers of one captured shape signature."""
+
+    graph_id: int
+    feeds: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    binding: ort.IOBinding
+    options: ort.RunOptions
+
+
+def signature(feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> tuple:
+    return tuple(
+        (name, tuple(t.shape), t.dtype) for name, t in sorted({**feeds, **outputs}.items())
+    )
+
+
 class OrtBackend:
     """Runs the ONNX Runtime variant of an engine directory."""
 
-    def __init__(self, engines_dir: Path, device: str | None = None, threads: int | None = None):
-        providers = ort.get_available_providers()
-        cuda = "CUDAExecutionProvider" in providers and torch.cuda.is_available()
-        wanted = device or ("cuda" if cuda else "cpu")
-        self.device = torch.device(wanted)
-        self.name = f"onnxruntime-{self.device.type}"
+    def __init__(
+        self,
+        engines_dir: Path,
+        device: str | None = None,
+        threads: int | None = None,
+        cuda_graphs: bool | None = None,
+    ):
+        available = ort.get_available_providers()
+        cuda = "CUDAExecutionProvider" in available and torch.cuda.is_available()
+        self.device = torch.device(device or ("cuda" if cuda else "cpu"))
         threads = threads or int(os.environ.get("OMNIJEV_ORT_THREADS", "0")) or None
-        if self.device.type == "cuda":
-            index = self.device.index or 0
-            providers = [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get("OMNIJEV_CUDA_GRAPHS", "1") != "0"
         folder = onnx_dir(engines_dir)
-        self.sessions = {
-            graph: ort.InferenceSession(
-                str(folder / f"{graph}.onnx"), session_options(threads), providers=providers
-            )
-            for graph in ("vision", "lm_state", "lm_rows")
-        }
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        self.graphs_on: dict[str, bool] = {}
+        for graph in GRAPHS:
+            path = str(folder / f"{graph}.onnx")
+            self.sessions[graph], self.graphs_on[graph] = self._session(path, threads, cuda_graphs)
+        self.name = f"onnxruntime-{self.device.type}" + (
+            "+graphs" if any(self.graphs_on.values()) else ""
+        )
         self._dtypes = {
             graph: {i.name: ORT_TO_TORCH[i.type] for i in s.get_inputs()}
             for graph, s in self.sessions.items()
         }
+        self._slots: dict[tuple, GraphSlot] = {}
+
+    def _providers(self, graphs: bool) -> list:
+        if self.device.type != "cuda":
+            return ["CPUExecutionProvider"]
+        options = {"device_id": self.device.index or 0}
+        if graphs:
+            options["enable_cuda_graph"] = "1"
+        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+    def _session(self, path: str, threads: int | None, graphs: bool):
+        """A CUDA-graph session when the whole graph runs on the GPU, else a plain one."""
+        if graphs and self.device.type == "cuda":
+            try:
+                options = session_options(threads)
+                return ort.InferenceSession(path, options, providers=self._providers(True)), True
+            except Exception as error:  # ORT refuses graphs when a node falls back to the CPU
+                log.warning("cuda graphs off for %s: %s", Path(path).name, error)
+        session = ort.InferenceSession(
+            path, session_options(threads), providers=self._providers(False)
+        )
+        return session, False
 
     def input_dtypes(self, graph: str) -> dict[str, torch.dtype]:
         return self._dtypes[graph]
@@ -85,29 +147,58 @@ class OrtBackend:
     def output_names(self, graph: str) -> list[str]:
         return [o.name for o in self.sessions[graph].get_outputs()]
 
-    def _bind(self, binding: ort.IOBinding, name: str, tensor: torch.Tensor, output: bool) -> None:
-        device = "cuda" if tensor.is_cuda else "cpu"
-        index = tensor.device.index or 0
-        tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
-        bind = binding.bind_output if output else binding.bind_input
-        bind(name, device, index, element_type(tensor.dtype), list(tensor.shape), tensor.data_ptr())
-
-    def run(
-        self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
-    ) -> None:
-        session = self.sessions[graph]
-        binding = session.io_binding()
+    def _checked(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         expected = self._dtypes[graph]
+        used = {}
         for name, tensor in feeds.items():
             if name not in expected:
                 continue
             if tensor.dtype != expected[name] or tensor.device != self.device:
                 raise ValueError(f"{graph} input {name}: {tensor.dtype} on {tensor.device}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"{graph} input {name} is not contiguous")
-            self._bind(binding, name, tensor, output=False)
+            used[name] = tensor.contiguous()
+        return used
+
+    def run(
+        self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+    ) -> None:
+        feeds = self._checked(graph, feeds)
+        if self.graphs_on[graph]:
+            self._replay(graph, feeds, outputs)
+            return
+        binding = self.sessions[graph].io_binding()
+        for name, tensor in feeds.items():
+            bind(binding, name, tensor, output=False)
         for name, tensor in outputs.items():
-            self._bind(binding, name, tensor, output=True)
+            bind(binding, name, tensor, output=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        session.run_with_iobinding(binding)
+        self.sessions[graph].run_with_iobinding(binding)
+
+    def _slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot:
+        key = (graph, signature(feeds, outputs))
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= MAX_CUDA_GRAPHS:
+                raise RuntimeError(f"more than {MAX_CUDA_GRAPHS} shape signatures")
+            binding = self.sessions[graph].io_binding()
+            static_feeds = {n: torch.empty_like(t) for n, t in feeds.items()}
+            static_outputs = {n: torch.empty_like(t) for n, t in outputs.items()}
+            for name, tensor in static_feeds.items():
+                bind(binding, name, tensor, output=False)
+            for name, tensor in static_outputs.items():
+                bind(binding, name, tensor, output=True)
+            options = ort.RunOptions()
+            graph_id = 1 + sum(1 for k in self._slots if k[0] == graph)  # 0 is ORT's default
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
+            slot = GraphSlot(graph_id, static_feeds, static_outputs, binding, options)
+            self._slots[key] = slot
+        return slot
+
+    def _replay(self, graph: str, feeds: dict, outputs: dict) -> None:
+        slot = self._slot(graph, feeds, outputs)
+        for name, tensor in feeds.items():
+            slot.feeds[name].copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        self.sessions[graph].run_with_iobinding(slot.binding, slot.options)
+        for name, tensor in outputs.items():
+            tensor.copy_(slot.outputs[name], non_blocking=True)

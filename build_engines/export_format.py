@@ -1,0 +1,414 @@
+"""Reads an `omnijev-merged/1` export directory with every check of the worker's `export::load`.
+
+Follows contract.md §8.2-8.3 (`S1@fc27b75 .../export.rs`): the manifest, the listed files and their
+SHA-256, the shard index, the vocabulary, the calibration and the tokenizer ids; then loads the
+weights into plain state dicts or into transformers' `Qwen3_5ForConditionalGeneration`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT = "omnijev-merged/1"
+MANIFEST = "omnijev_export.json"
+INDEX = "model.safetensors.index.json"
+VISION = "vision.safetensors"
+HEADS = "heads.safetensors"
+HASH_BLOCK = 4 * 1024 * 1024  # the worker hashes in 4 MiB blocks (contract.md §8.3)
+
+# Identity of the published release (contract.md §0.2, §8.2); pinned only for a real export.
+REAL_IDENTITY = {
+    "model_id": "tinnel123/OmniJev",
+    "checkpoint_revision": "ffe5f436eaf22e20e2f041f8e74e121fd057a6cb",
+    "base_model_id": "Qwen/Qwen3.5-4B",
+    "base_revision": "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a",
+}
+IDENTITY_CHECKED = ("model_id", "checkpoint_revision", "base_revision")  # the worker's list
+VOCABULARY = 248079  # len(tokenizer) with <|opt|>, <|/opt|> (contract.md §4.3)
+OPTION_TOKENS = {"<|opt|>": 248077, "<|/opt|>": 248078}
+MAX_PIXELS = 602112  # 768·28·28, MSO1's budget (contract.md §4.8)
+HEADS_META = {"norm": "softmax", "lm_features": True, "ordinal": True}
+LORA = {"rank": 32, "alpha": 64, "merged": "bfloat16"}  # contract.md §8.2
+# Values every export must carry, synthetic or real: the runtime depends on them.
+PINNED = {
+    "format": FORMAT,
+    "vocabulary": VOCABULARY,
+    "option_tokens": OPTION_TOKENS,
+    "max_pixels": MAX_PIXELS,
+    "heads": HEADS_META,
+}
+REQUIRED_OUTPUTS = ("config.json", HEADS, INDEX, "tokenizer.json", VISION)
+TEMPERATURE_KEYS = ("noul", "choice", "score")
+TOKENIZER_IDS = {"<|image_pad|>": 248056, **OPTION_TOKENS}  # the processor's check
+IMAGE_TOKEN_ID = 248056  # the executor's check of config.json
+REAL_HIDDEN = 2560  # the executor's check; synthetic exports may be narrower
+LM_FEATURES = 6  # per-option LM features (contract.md §6.2)
+# Accepted names of the language model's tensors (contract.md §8.3), longest prefix first.
+LANGUAGE_PREFIXES = ("model.language_model.", "model.")
+IGNORED_LANGUAGE = ("lm_head.", "mtp.")  # tied output projection; multi-token prediction
+
+
+class ExportError(ValueError):
+    """An export directory that the worker would refuse to load."""
+
+
+try:  # the runtime's calibration, so that loaders and finishing share one type
+    from runtime.finish import Calibration
+except ImportError:  # runtime/finish.py not written yet: same fields
+
+    @dataclass(frozen=True)
+    class Calibration:
+        """Calibration of contract.md §7.1: one temperature per type and the Noul bias."""
+
+        temperatures: dict[str, float]
+        noul_bias: float
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """A checked export: where its files are and what its manifest and config say."""
+
+    dir: Path
+    manifest: dict
+    config: dict
+    calibration: Calibration
+    identity: str  # "real" or "synthetic"
+    files: dict[str, Path]  # every listed output
+    shards: tuple[Path, ...]  # language-model shards, in index order
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["text_config"]["hidden_size"])
+
+    @property
+    def vision_path(self) -> Path:
+        return self.files[VISION]
+
+    @property
+    def heads_path(self) -> Path:
+        return self.files[HEADS]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.files["tokenizer.json"]
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 hex digest of a file, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _refuse_constant(name: str) -> float:
+    raise ExportError(f"export manifest holds {name}")
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a file; NaN and Infinity are refused, as the worker's parser does."""
+    try:
+        value = json.loads(path.read_text("utf-8"), parse_constant=_refuse_constant)
+    except FileNotFoundError:
+        raise ExportError(f"{what} {path.name} is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportError(f"{what} {path.name} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"{what} {path.name} is not a JSON object")
+    return value
+
+
+def _shown(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def check_pinned(manifest: dict) -> str:
+    """Pinned values; returns the identity. A real export must name the published release."""
+    for key, expected in PINNED.items():
+        if manifest.get(key) != expected:
+            found = _shown(manifest.get(key))
+            raise ExportError(f"export manifest {key} is {found}, expected {_shown(expected)}")
+    synthetic = manifest.get("synthetic", False)
+    if not isinstance(synthetic, bool):
+        raise ExportError(f"export manifest synthetic is {_shown(synthetic)}, expected a boolean")
+    for key in IDENTITY_CHECKED:
+        value = manifest.get(key)
+        if synthetic:
+            if not isinstance(value, str) or not value:
+                raise ExportError(f"export manifest {key} is {_shown(value)}, expected a string")
+            if key == "model_id" and value == REAL_IDENTITY[key]:
+                raise ExportError(f"synthetic export claims model_id {value}")
+        elif value != REAL_IDENTITY[key]:
+            expected = REAL_IDENTITY[key]
+            raise ExportError(f"export manifest {key} is {_shown(value)}, expected {expected}")
+    return "synthetic" if synthetic else "real"
+
+
+def check_file_name(name: object) -> str:
+    """A listed output must be a plain file name inside the export directory."""
+    if not isinstance(name, str) or not name or name in (".", ".."):
+        raise ExportError(f"export output name {_shown(name)} is not a file name")
+    if "/" in name or "\\" in name or ".." in name or "\0" in name:
+        raise ExportError(f"export output name {name} is not a plain file name")
+    if name == MANIFEST:
+        raise ExportError(f"export outputs list the manifest {MANIFEST}")
+    return name
+
+
+def check_outputs(root: Path, manifest: dict, verify: bool) -> dict[str, Path]:
+    """Names, presence and (with `verify`) SHA-256 of every listed output."""
+    outputs = manifest.get("outputs")
+    if not isinstance(outputs, dict):
+        raise ExportError("export manifest outputs is not an object")
+    for name in REQUIRED_OUTPUTS:
+        if name not in outputs:
+            raise ExportError(f"export manifest does not list {name}")
+    files = {}
+    for name, expected in outputs.items():
+        path = root / check_file_name(name)
+        if not isinstance(expected, str) or len(expected) != 64:
+            raise ExportError(f"export output {name} has no SHA-256")
+        if not path.is_file():
+            raise ExportError(f"export output {name} is missing")
+        if verify and sha256_file(path) != expected.lower():
+            raise ExportError(f"export output {name} does not match its SHA-256")
+        files[name] = path
+    return files
+
+
+def check_shards(root: Path, files: dict[str, Path]) -> tuple[Path, ...]:
+    """Every shard of the index is a listed output; a stray `model.safetensors` is refused."""
+    index = read_json(files[INDEX], "export index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ExportError(f"export index {INDEX} has no weight_map")
+    shards = []
+    for shard in weight_map.values():
+        if not isinstance(shard, str) or shard not in files:
+            raise ExportError(f"export shard {_shown(shard)} is not listed in the manifest")
+        if files[shard] not in shards:
+            shards.append(files[shard])
+    if (root / "model.safetensors").exists() and "model.safetensors" not in files:
+        raise ExportError("export holds an unlisted model.safetensors")
+    return tuple(shards)
+
+
+def check_config(config: dict, identity: str) -> None:
+    """The executor's checks of `config.json`: vocabulary, image token and (real) hidden size."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ExportError("export config.json has no text_config")
+    if text.get("vocab_size") != VOCABULARY:
+        found = _shown(text.get("vocab_size"))
+        raise ExportError(f"export text_config.vocab_size is {found}, expected {VOCABULARY}")
+    if config.get("image_token_id") != IMAGE_TOKEN_ID:
+        found = _shown(config.get("image_token_id"))
+        raise ExportError(f"export image_token_id is {found}, expected {IMAGE_TOKEN_ID}")
+    if identity == "real" and text.get("hidden_size") != REAL_HIDDEN:
+        found = _shown(text.get("hidden_size"))
+        raise ExportError(f"export hidden size is {found}, expected {REAL_HIDDEN}")
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_calibration(value: object) -> Calibration:
+    """Exactly three positive finite temperatures and a finite Noul bias (contract.md §7.7)."""
+    if not isinstance(value, dict):
+        raise ExportError("export calibration is not an object")
+    temperatures = value.get("temperatures")
+    if not isinstance(temperatures, dict) or sorted(temperatures) != sorted(TEMPERATURE_KEYS):
+        found = _shown(sorted(temperatures) if isinstance(temperatures, dict) else temperatures)
+        expected = ", ".join(TEMPERATURE_KEYS)
+        raise ExportError(f"export calibration temperatures are {found}, expected {expected}")
+    for key, temperature in temperatures.items():
+        if not _finite_number(temperature) or temperature <= 0:
+            raise ExportError(f"export temperature {key} is {temperature!r}, expected positive")
+    bias = value.get("noul_bias")
+    if not _finite_number(bias):
+        raise ExportError(f"export noul_bias is {bias!r}, expected a finite number")
+    temps = {key: float(temperatures[key]) for key in TEMPERATURE_KEYS}
+    return Calibration(temperatures=temps, noul_bias=float(bias))
+
+
+def check_tokenizer(path: Path) -> None:
+    """The processor's check: image and option tokens at their ids, 248,079 tokens in all."""
+    stat = path.stat()
+    problem = _tokenizer_problem(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if problem:
+        raise ExportError(problem)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_problem(path: str, size: int, mtime_ns: int, inode: int) -> str | None:
+    """Loading takes about a second, so a file unchanged since its last check is not reloaded."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as error:  # tokenizers raises a bare Exception for malformed files
+        return f"export tokenizer.json does not load: {error}"
+    count = tokenizer.get_vocab_size(with_added_tokens=True)
+    if count != VOCABULARY:
+        return f"export tokenizer has {count} tokens, expected {VOCABULARY}"
+    for token, expected in TOKENIZER_IDS.items():
+        found = tokenizer.token_to_id(token)
+        if found != expected:
+            return f"export tokenizer maps {token} to {found}, expected {expected}"
+    return None
+
+
+def load_export(path: str | Path, verify: bool = True) -> ExportInfo:
+    """Checks an export directory (contract.md §8.3); `verify=False` skips only the hashing."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ExportError(f"export directory {root} does not exist")
+    manifest = read_json(root / MANIFEST, "export manifest")
+    identity = check_pinned(manifest)
+    files = check_outputs(root, manifest, verify)
+    shards = check_shards(root, files)
+    config = read_json(files["config.json"], "export config")
+    check_config(config, identity)
+    calibration = check_calibration(manifest.get("calibration"))
+    check_tokenizer(files["tokenizer.json"])
+    return ExportInfo(root, manifest, config, calibration, identity, files, shards)
+
+
+def language_name(name: str) -> str | None:
+    """`Qwen3_5TextModel` name of a language-model tensor; None for tensors the model ties."""
+    for prefix in LANGUAGE_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    return None if name.startswith(IGNORED_LANGUAGE) else name
+
+
+def _read_safetensors(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    tensors = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            tensor = f.get_tensor(key)
+            tensors[key] = tensor if dtype is None else tensor.to(dtype)
+    return tensors
+
+
+def load_language_state(
+    info: ExportInfo, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Language-model tensors named as `Qwen3_5TextModel.state_dict()` (`embed_tokens.weight`)."""
+    state = {}
+    for shard in info.shards:
+        for key, tensor in _read_safetensors(shard, dtype).items():
+            name = language_name(key)
+            if name is None:
+                continue
+            if name in state:
+                raise ExportError(f"export language model holds {name} twice")
+            state[name] = tensor
+    rows = state.get("embed_tokens.weight")
+    if rows is None or rows.shape[0] != VOCABULARY:
+        found = None if rows is None else tuple(rows.shape)
+        raise ExportError(f"export embedding is {found}, expected {VOCABULARY} rows")
+    return state
+
+
+def load_vision_state(info: ExportInfo, dtype: torch.dtype | None = None) -> dict:
+    """Vision-tower tensors, named `model.visual.*` as in the full model."""
+    state = _read_safetensors(info.vision_path, dtype)
+    stray = [key for key in state if not key.startswith("model.visual.")]
+    if stray:
+        raise ExportError(f"export {VISION} holds {stray[0]}, expected model.visual.* only")
+    return state
+
+
+def head_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of `heads.safetensors` for hidden size D (contract.md §6.1).
+
+    OptionScorer(D, min(1024, 2D)) as `head.*`, OrdinalScoreHead(D, min(512, D)) as `ord.*`;
+    `Linear` weights are [out, in].
+    """
+    width, ordinal = min(1024, 2 * hidden), min(512, hidden)
+    shapes = {}
+    for name, fan_in, out in (
+        ("head.opt.0", hidden, width),
+        ("head.opt.2", width, width),
+        ("head.que.0", hidden, width),
+        ("head.que.2", width, width),
+        ("head.score", width, 1),
+        ("head.abstain", width, 1),
+        ("head.feat", LM_FEATURES, width),
+        ("head.feat_lin", LM_FEATURES, 1),
+        ("ord.z.0", hidden, ordinal),
+        ("ord.z.2", ordinal, 1),
+        ("ord.cut.0", hidden, ordinal),
+        ("ord.cut.2", ordinal, 1),
+    ):
+        shapes[f"{name}.weight"] = (out, fan_in)
+        shapes[f"{name}.bias"] = (out,)
+    shapes["head.log_tau"] = (3,)  # noul, choice, score
+    return shapes
+
+
+def check_heads(state: dict[str, torch.Tensor], hidden: int) -> None:
+    """Exactly the tensors of `head_shapes`, float32 and finite."""
+    expected = head_shapes(hidden)
+    for key in sorted(set(expected) | set(state)):
+        if key not in state:
+            raise ExportError(f"head tensor {key} is missing")
+        tensor = state[key]
+        if key not in expected:
+            raise ExportError(f"head tensor {key} is not one of the heads' tensors")
+        if tuple(tensor.shape) != expected[key]:
+            found = tuple(tensor.shape)
+            raise ExportError(f"head tensor {key} has shape {found}, expected {expected[key]}")
+        if tensor.dtype != torch.float32:
+            raise ExportError(f"head tensor {key} is {tensor.dtype}, expected float32")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ExportError(f"head tensor {key} is not finite")
+
+
+def load_heads_state(info: ExportInfo) -> dict[str, torch.Tensor]:
+    """Head tensors `head.*` and `ord.*`, float32 (contract.md §6.1), checked."""
+    state = _read_safetensors(info.heads_path, None)
+    check_heads(state, info.hidden_size)
+    return state
+
+
+def build_transformers_model(
+    info: ExportInfo, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+):
+    """The export as `Qwen3_5ForConditionalGeneration` (248,079 rows, `lm_head` tied), in eval."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_utils import local_torch_dtype
+
+    config = Qwen3_5Config.from_dict(info.config)
+    # Sub-models are built by AutoModel.from_config, which follows each sub-config's own dtype.
+    for part in (config, config.text_config, config.vision_config):
+        part.dtype = dtype
+    # Allocate without random init: every parameter is overwritten from the export below.
+    with torch.device(device), local_torch_dtype(dtype), no_init_weights():
+        model = Qwen3_5ForConditionalGeneration(config)
+    state = {f"model.language_model.{k}": v for k, v in load_language_state(info).items()}
+    state.update(load_vision_state(info))
+    result = model.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if key != "lm_head.weight"]
+    if missing or result.unexpected_keys:
+        extra = (missing or result.unexpected_keys)[0]
+        raise ExportError(f"export weights do not fit Qwen3_5ForConditionalGeneration: {extra}")
+    model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    wrong = [k for k, v in model.state_dict().items() if v.dtype != dtype or v.is_meta]
+    if wrong:
+        raise ExportError(f"model tensor {wrong[0]} is not {dtype}")
+    return model.eval()
