@@ -215,35 +215,44 @@ def time_runs(answer, request: bytes, runs: int, stages: dict | None = None) -> 
     return times
 
 
-def latency(executor, reference=None, runs: int = WARM_RUNS, sync=None) -> list[dict]:
+def latency(executor, reference=None, runs: int = WARM_RUNS) -> list[dict]:
     image = encode(screen_image(*BENCH_SIZE, seed=1), "PNG")
     rows = []
     for name, questions in workloads().items():
         request = body(image, "image/png", questions)
-        ours = time_runs(executor.answer, request, runs, sync)
+        ours = time_runs(executor.answer, request, runs, executor.stages)
         row = {
             "workload": name,
             "median_ms": 1e3 * statistics.median(ours),
             "p90_ms": 1e3 * quantile(ours, 0.9),
+            "stages_ms": {k: round(1e3 * v, 2) for k, v in executor.stages.items()},
         }
         if reference is not None:
-            theirs = time_runs(reference.answer, request, max(5, runs // 4), sync)
+            theirs = time_runs(reference.answer, request, max(5, runs // 4))
             row["reference_median_ms"] = 1e3 * statistics.median(theirs)
             row["speedup"] = row["reference_median_ms"] / row["median_ms"]
         rows.append(row)
     return rows
 
 
+STAGES = ("prepare", "vision", "prefix", "questions", "options", "heads")
+
+
 def latency_table(rows: list[dict]) -> str:
+    """Median and p90 per workload, the reference beside, and the median of each stage."""
     lines = [
-        "| workload | median ms | p90 ms | reference median ms | speed-up |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| workload | median ms | p90 ms | reference median ms | speed-up | "
+        + " | ".join(STAGES)
+        + " |",
+        "| --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(STAGES),
     ]
     for r in rows:
         ref = f"{r['reference_median_ms']:.1f}" if "reference_median_ms" in r else "-"
         speed = f"{r['speedup']:.1f}×" if "speedup" in r else "-"
+        stages = " | ".join(f"{r.get('stages_ms', {}).get(s, 0.0):.1f}" for s in STAGES)
         lines.append(
-            f"| {r['workload']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {ref} | {speed} |"
+            f"| {r['workload']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {ref} | {speed} | "
+            f"{stages} |"
         )
     return "\n".join(lines)
 

@@ -69,20 +69,45 @@ NOUL_KEY = "yes"  # §4.1: a Noul question's only answer key
 
 REGION_SHAPE = 'a region must be {"box": [x1, y1, x2, y2]}'
 # Rust's `{:?}` escapes these with a backslash; other escaped characters become `\u{hex}`.
-RUST_BACKSLASH_ESCAPES = {"\0": "\\0", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\\": "\\\\",
-                          '"': '\\"'}
+RUST_BACKSLASH_ESCAPES = {
+    "\0": "\\0",
+    "\t": "\\t",
+    "\r": "\\r",
+    "\n": "\\n",
+    "\\": "\\\\",
+    '"': '\\"',
+}
 # Rust's `is_printable` is false for these general categories (core/src/unicode/printable.py),
 # except for the ASCII space.
 RUST_UNPRINTABLE = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")
 # Other_Grapheme_Extend (Unicode 15 PropList.txt): with Mn and Me, the Grapheme_Extend characters
 # that `{:?}` always escapes. Python's unicodedata has no such property.
 OTHER_GRAPHEME_EXTEND = (
-    (0x09BE, 0x09BE), (0x09D7, 0x09D7), (0x0B3E, 0x0B3E), (0x0B57, 0x0B57), (0x0BBE, 0x0BBE),
-    (0x0BD7, 0x0BD7), (0x0CC2, 0x0CC2), (0x0CD5, 0x0CD6), (0x0D3E, 0x0D3E), (0x0D57, 0x0D57),
-    (0x0DCF, 0x0DCF), (0x0DDF, 0x0DDF), (0x1B35, 0x1B35), (0x200C, 0x200C), (0x302E, 0x302F),
-    (0xFF9E, 0xFF9F), (0x1133E, 0x1133E), (0x11357, 0x11357), (0x114B0, 0x114B0),
-    (0x114BD, 0x114BD), (0x115AF, 0x115AF), (0x11930, 0x11930), (0x1D165, 0x1D165),
-    (0x1D16E, 0x1D172), (0xE0020, 0xE007F),
+    (0x09BE, 0x09BE),
+    (0x09D7, 0x09D7),
+    (0x0B3E, 0x0B3E),
+    (0x0B57, 0x0B57),
+    (0x0BBE, 0x0BBE),
+    (0x0BD7, 0x0BD7),
+    (0x0CC2, 0x0CC2),
+    (0x0CD5, 0x0CD6),
+    (0x0D3E, 0x0D3E),
+    (0x0D57, 0x0D57),
+    (0x0DCF, 0x0DCF),
+    (0x0DDF, 0x0DDF),
+    (0x1B35, 0x1B35),
+    (0x200C, 0x200C),
+    (0x302E, 0x302F),
+    (0xFF9E, 0xFF9F),
+    (0x1133E, 0x1133E),
+    (0x11357, 0x11357),
+    (0x114B0, 0x114B0),
+    (0x114BD, 0x114BD),
+    (0x115AF, 0x115AF),
+    (0x11930, 0x11930),
+    (0x1D165, 0x1D165),
+    (0x1D16E, 0x1D172),
+    (0xE0020, 0xE007F),
 )
 
 
@@ -307,4 +332,3 @@ def _rust_escape(char: str) -> str:
 def _other_grapheme_extend(char: str) -> bool:
     code = ord(char)
     return any(low <= code <= high for low, high in OTHER_GRAPHEME_EXTEND)
-

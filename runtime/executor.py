@@ -271,6 +271,8 @@ class Executor:
     def run_pass(
         self, rows: Pass, features: torch.Tensor, prefix: State, src: State, with_state: bool
     ) -> dict[str, torch.Tensor]:
+        if not with_state and not self.backend.has_graph("lm_rows"):
+            with_state = True  # an engine directory without the readout-only variant
         graph = "lm_state" if with_state else "lm_rows"
         outputs = self.outputs(rows, with_state)
         self.backend.run(graph, self.feeds(rows, features, prefix, src), outputs)

@@ -41,11 +41,10 @@ def environment() -> dict:
     import torch
     import transformers
 
-    smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    smi = "none"
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(query, capture_output=True, text=True).stdout.strip()
     return {
         "gpu": smi,
         "torch": torch.__version__,
@@ -159,7 +158,7 @@ def invariance(executor) -> dict:
 
 
 def build4b() -> None:
-    times = build("4b", ("bfloat16", "float32"), {"float32": ("vision", "lm_state", "lm_rows")})
+    times = build("4b", ("bfloat16",), {})
     sizes = {
         p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e9
         for p in WORK.iterdir()
@@ -219,10 +218,13 @@ def parity4b() -> None:
     from runtime import bench
     from runtime.executor import load_engine
 
+    times = build("4b", ("float32",), {"float32": ("vision", "lm_state")})
     export, engines = WORK / "4b-export", WORK / "4b-float32"
     executor = load_engine(str(export), str(engines), "onnxruntime")
     reference = Reference(export, dtype="float32", device=DEVICE)
     report = bench.parity(executor, reference, bench.question_sets())
+    report["build"] = times
+    report["backend"] = executor.backend.name
     save("parity4b.json", report)
     save("parity4b.md", bench.parity_table(report))
     log(bench.parity_table(report))

@@ -18,6 +18,8 @@ class Backend(Protocol):
     name: str
     device: torch.device
 
+    def has_graph(self, graph: str) -> bool: ...
+
     def input_dtypes(self, graph: str) -> dict[str, torch.dtype]: ...
 
     def run(

@@ -109,8 +109,12 @@ class OrtBackend:
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.graphs_on: dict[str, bool] = {}
         for graph in GRAPHS:
-            path = str(folder / f"{graph}.onnx")
-            self.sessions[graph], self.graphs_on[graph] = self._session(path, threads, cuda_graphs)
+            path = folder / f"{graph}.onnx"
+            if graph == "lm_rows" and not path.exists():
+                continue  # optional: the state variant also answers option passes
+            self.sessions[graph], self.graphs_on[graph] = self._session(
+                str(path), threads, cuda_graphs
+            )
         self.name = f"onnxruntime-{self.device.type}" + (
             "+graphs" if any(self.graphs_on.values()) else ""
         )
@@ -140,6 +144,9 @@ class OrtBackend:
             path, session_options(threads), providers=self._providers(False)
         )
         return session, False
+
+    def has_graph(self, graph: str) -> bool:
+        return graph in self.sessions
 
     def input_dtypes(self, graph: str) -> dict[str, torch.dtype]:
         return self._dtypes[graph]
