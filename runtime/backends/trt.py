@@ -178,7 +178,7 @@ class TensorRTBackend:
         if reason is not None:
             raise RuntimeError(f"tensorrt backend unavailable: {reason}")
         if verify:
-            changed = trt_build.verify_plans(engines_dir)
+            changed = trt_build.verify_plans(engines_dir, plans_only=True)
             if changed:
                 raise RuntimeError(
                     f"engine directory changed since its build: {'; '.join(changed)}"
@@ -211,6 +211,9 @@ class TensorRTBackend:
         return Plan(engine=engine, io=entry["io"], profiles=entry["profiles"])
 
     # -- interface ----------------------------------------------------------------------------
+
+    def has_graph(self, graph: str) -> bool:
+        return graph in self.plans
 
     def input_dtypes(self, graph: str) -> dict[str, torch.dtype]:
         return io_dtypes(self.plans[graph].io, "input")

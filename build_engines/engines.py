@@ -1,0 +1,250 @@
+"""`omnijev engines`: export → ONNX Runtime check → plan build into one engine directory that the
+runtime loads (docs/design.md; engines.md §2-§4, §8, §11).
+
+Layout: `onnx_ort/` (fused GDN, standard-op readout: what ONNX Runtime runs), `onnx_trt/`
+(standard-op GDN; the plugin readout where the library can load it), `plans/`, `timing_cache.bin`
+with its `.sha256`, and the manifest `engines.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from build_engines import trt_build
+
+FORMAT = "omnijev-engines/1"
+MANIFEST = trt_build.MANIFEST
+ONNX_ORT = "onnx_ort"  # runtime.backends.ort.ONNX_DIR
+ONNX_TRT = trt_build.ONNX_TRT
+VARIANTS = {ONNX_ORT: ("ort", "std"), ONNX_TRT: ("std", None)}  # dir -> (gdn, readout)
+EXPORT_MANIFEST = "omnijev_export.json"  # the checkpoint's own manifest (contract.md §8.2)
+# Small, distinct pass sizes for the check (distinct so a swapped axis shows); T ≤ 64 fits the
+# standard-op GDN graph too.
+CHECK_SIZES = {"B": 2, "T": 5, "N": 3, "P": 4, "Q": 3, "S": 2, "R": 3, "M": 4}
+CHECK_SEED = 0
+# Largest |ONNX Runtime − export module| / max(1, |module|) accepted; float32 differs only by
+# operation order, bfloat16 by rounding of intermediates.
+CHECK_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+
+
+def variant_files(engine_dir: Path, variant: str) -> dict:
+    folder = engine_dir / variant
+    files = {}
+    for onnx_path in sorted(folder.glob("*.onnx")):
+        for path in trt_build.onnx_files(onnx_path):
+            files[path.relative_to(engine_dir).as_posix()] = trt_build.file_record(path)
+    return files
+
+
+def export_variant(
+    checkpoint: Path, engine_dir: Path, variant: str, dtype: str, readout: str
+) -> dict:
+    from build_engines.onnx_export import export_onnx
+
+    gdn = VARIANTS[variant][0]
+    started = time.perf_counter()
+    export_onnx(checkpoint, engine_dir / variant, dtype=dtype, gdn=gdn, readout=readout)
+    return {
+        "gdn": gdn,
+        "readout": readout,
+        "dtype": dtype,
+        "export_seconds": round(time.perf_counter() - started, 2),
+        "files": variant_files(engine_dir, variant),
+    }
+
+
+# -- ONNX Runtime check ------------------------------------------------------------------------
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    actual, expected = actual.astype(np.float64), expected.astype(np.float64)
+    if actual.shape != expected.shape:
+        raise ValueError(f"shape {actual.shape}, expected {expected.shape}")
+    if actual.size == 0:
+        return 0.0
+    scale = max(1.0, float(np.abs(expected).max()))
+    return float(np.abs(actual - expected).max()) / scale
+
+
+def check_inputs(checkpoint: Path, graph: str, dtype: str) -> tuple:
+    """(module, positional args, ONNX feeds by name, output names) for one small pass."""
+    import torch
+
+    from build_engines.onnx_export import (
+        example_lm_feeds,
+        lm_args,
+        lm_output_names,
+        vision_example,
+    )
+    from build_engines.weights import DTYPES, load_language_pass, load_vision_tower, read_config
+
+    torch.manual_seed(CHECK_SEED)  # example_lm_feeds draws token ids from the global generator
+    config = read_config(checkpoint)
+    torch_dtype = DTYPES[dtype]
+    if graph == "vision":
+        module, _ = load_vision_tower(checkpoint, torch_dtype)
+        args = vision_example(config, torch_dtype)
+        names = ["pixel_values", "pos_embeds", "cos", "sin"]
+        return module, args, dict(zip(names, args, strict=True)), ["image_features"]
+    state = graph == "lm_state"
+    module = load_language_pass(checkpoint, torch_dtype, return_state=state)
+    feeds = example_lm_feeds(config, torch_dtype, CHECK_SIZES)
+    return module, lm_args(feeds, config), feeds, lm_output_names(config, state)
+
+
+def numpy_of(tensor) -> np.ndarray:
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes  # onnx's dependency; numpy has no bfloat16 of its own
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def check_graph(checkpoint: Path, onnx_path: Path, graph: str, dtype: str) -> dict:
+    """One small pass in an ONNX Runtime CPU session against the export module."""
+    import onnxruntime as ort
+    import torch
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    module, args, feeds, names = check_inputs(checkpoint, graph, dtype)
+    wanted = {i.name for i in session.get_inputs()}
+    ort_feeds = {name: numpy_of(value) for name, value in feeds.items() if name in wanted}
+    got = dict(zip(names, session.run(names, ort_feeds), strict=True))
+    with torch.no_grad():
+        result = module(*args)
+    results = (result,) if isinstance(result, torch.Tensor) else result
+    expected = dict(zip(names, results, strict=True))
+    errors = {}
+    for name in names:
+        actual = np.asarray(got[name]).astype(np.float32)
+        if not np.isfinite(actual).all():
+            raise RuntimeError(f"{onnx_path.name}: output {name} is not finite")
+        errors[name] = relative_error(actual, expected[name].float().numpy())
+    worst = max(errors, key=errors.get)
+    if errors[worst] > CHECK_TOLERANCE[dtype]:
+        raise RuntimeError(
+            f"{onnx_path.name}: output {worst} differs from the export module by "
+            f"{errors[worst]:.2e} (relative), above {CHECK_TOLERANCE[dtype]:.0e}"
+        )
+    return {"max_relative_error": errors[worst], "worst_output": worst, "outputs": len(names)}
+
+
+def custom_domains(onnx_path: Path) -> list[str]:
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    return sorted({node.domain for node in graph.node if node.domain not in ("", "ai.onnx")})
+
+
+def check_variant(checkpoint: Path, engine_dir: Path, variant: str, dtype: str) -> dict:
+    """Every graph of a variant that ONNX Runtime can run; custom-node graphs are noted."""
+    results = {}
+    for graph in trt_build.GRAPHS:
+        onnx_path = engine_dir / variant / f"{graph}.onnx"
+        domains = [d for d in custom_domains(onnx_path) if d != "com.microsoft"]
+        if domains:
+            results[graph] = {"skipped": f"custom domain {', '.join(domains)}: no ORT kernel"}
+            continue
+        results[graph] = check_graph(checkpoint, onnx_path, graph, dtype)
+    return results
+
+
+# -- the engine directory -------------------------------------------------------------------
+
+
+def checkpoint_record(checkpoint: Path) -> dict:
+    manifest = checkpoint / EXPORT_MANIFEST
+    digest = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+    return {"path": str(checkpoint.resolve()), "manifest_sha256": digest}
+
+
+def write_manifest(engine_dir: Path, manifest: dict) -> Path:
+    path = engine_dir / MANIFEST
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8")
+    temporary.replace(path)  # a reader never sees half a manifest
+    return path
+
+
+def build_engines(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str = "float32",
+    plans: bool = True,
+    timing_cache: str | Path | None = None,
+) -> Path:
+    """Exports both ONNX variants, checks them in ONNX Runtime, builds the plans (unless
+    `plans` is false) and writes `engines.json`; returns the engine directory."""
+    started = time.perf_counter()
+    checkpoint, engine_dir = Path(checkpoint_dir), Path(out_dir)
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    (engine_dir / MANIFEST).unlink(missing_ok=True)  # no stale manifest over new files
+    trt = trt_build.import_library()
+    if plans and trt is None:
+        raise RuntimeError("no tensorrt or tensorrt_rtx importable; use --skip-plans")
+    readout, reason = trt_build.trt_readout(trt)
+    onnx = {
+        ONNX_ORT: export_variant(checkpoint, engine_dir, ONNX_ORT, dtype, "std"),
+        ONNX_TRT: export_variant(checkpoint, engine_dir, ONNX_TRT, dtype, readout),
+    }
+    checks = {variant: check_variant(checkpoint, engine_dir, variant, dtype) for variant in onnx}
+    manifest = {
+        "format": FORMAT,
+        "dtype": dtype,
+        "checkpoint": checkpoint_record(checkpoint),
+        "onnx": onnx,
+        "ort_check": checks,
+        "plans": None,
+    }
+    if plans:
+        manifest["plans"] = trt_build.build_plans(engine_dir, trt, readout, reason, timing_cache)
+    manifest["seconds"] = round(time.perf_counter() - started, 2)
+    write_manifest(engine_dir, manifest)
+    return engine_dir
+
+
+def summary(manifest: dict) -> list[str]:
+    lines = []
+    for variant, info in manifest["onnx"].items():
+        lines.append(
+            f"{variant}: gdn={info['gdn']} readout={info['readout']} "
+            f"({info['export_seconds']} s, {len(info['files'])} files)"
+        )
+    for variant, graphs in manifest["ort_check"].items():
+        for graph, result in graphs.items():
+            error = result.get("max_relative_error")
+            detail = result.get("skipped") or f"max relative error {error:.1e}"
+            lines.append(f"ort check {variant}/{graph}: {detail}")
+    plans = manifest["plans"]
+    if plans:
+        lines.append(
+            f"plans: {plans['library']} {plans['version']} on {plans['device']}, "
+            f"readout={plans['readout']}, timing cache {plans['timing_cache']['mode']}"
+        )
+        for entry in plans["graphs"].values():
+            lines.append(f"  {entry['plan']}: {entry['bytes']} bytes ({entry['build_seconds']} s)")
+    lines.append(f"total {manifest['seconds']} s")
+    return lines
+
+
+def cli_engines(args) -> int:
+    """`omnijev engines --checkpoint DIR --out DIR [--dtype] [--skip-plans]`."""
+    engine_dir = build_engines(
+        args.checkpoint,
+        args.out,
+        args.dtype,
+        plans=not getattr(args, "skip_plans", False),
+        timing_cache=getattr(args, "timing_cache", None),
+    )
+    for line in summary(trt_build.read_manifest(engine_dir)):
+        print(line)
+    return 0

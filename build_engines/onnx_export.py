@@ -1,0 +1,310 @@
+"""Writes `vision.onnx`, `lm_state.onnx` and `lm_rows.onnx` from an export directory, with the
+inputs and outputs of docs/design.md, and `onnx_export.json` describing them.
+
+Uses the dynamo exporter (`torch.onnx.export(dynamo=True, dynamic_shapes=...)`); ir_version is
+capped at 13 for onnxruntime 1.31 (engines.md §0.5, §8).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import torch
+from torch.export import Dim
+
+from build_engines.modules import GDN_VARIANTS, READOUT_VARIANTS, STD_MAX_TOKENS, LanguagePass
+from build_engines.weights import DTYPES, load_language_pass, load_vision_tower, read_config
+from plugins.readout import DOMAIN, GEMM_OPSET
+
+GRAPHS = ("vision", "lm_state", "lm_rows")
+MANIFEST = "onnx_export.json"
+FORMAT = "omnijev-onnx/1"
+OPSET = GEMM_OPSET  # 18: LayerNormalization and RMSNorm are written out, nothing newer needed
+MAX_IR_VERSION = 13  # the newest onnxruntime 1.31 reads (engines.md §8)
+EXTERNAL_BYTES = 1 << 30  # weights above this go to `<graph>.onnx.data` (protobuf caps at 2 GiB)
+# Example sizes for tracing: distinct and > 1, so no dynamic axis is specialised or unified.
+EXAMPLE = {"B": 5, "T": 7, "N": 6, "P": 9, "Q": 10, "S": 11, "R": 12, "M": 13}
+MERGED_EXAMPLE = 6  # merged vision rows while tracing (patches = 4 × this)
+
+
+def layer_counts(config: dict) -> tuple[int, int]:
+    """(attention layers, Gated DeltaNet layers) of config.json."""
+    types = config["text_config"]["layer_types"]
+    return types.count("full_attention"), types.count("linear_attention")
+
+
+def lm_input_names(config: dict) -> list[str]:
+    """Inputs of both language-model graphs in `LanguagePass.forward` order."""
+    attn, gdn = layer_counts(config)
+    return [
+        "input_ids", "image_features", "positions", "lengths",
+        *[f"prefix_k.{i}" for i in range(attn)], *[f"prefix_v.{i}" for i in range(attn)],
+        "prefix_mask", "src",
+        *[f"src_k.{i}" for i in range(attn)], *[f"src_v.{i}" for i in range(attn)],
+        "src_mask",
+        *[f"src_conv.{j}" for j in range(gdn)], *[f"src_rec.{j}" for j in range(gdn)],
+        "read_rows", "target_rows", "target_tokens",
+    ]  # fmt: skip
+
+
+def lm_output_names(config: dict, return_state: bool) -> list[str]:
+    attn, gdn = layer_counts(config)
+    if not return_state:
+        return ["hidden", "logprobs"]
+    return [
+        "hidden", "logprobs",
+        *[f"out_k.{i}" for i in range(attn)], *[f"out_v.{i}" for i in range(attn)],
+        *[f"out_conv.{j}" for j in range(gdn)], *[f"out_rec.{j}" for j in range(gdn)],
+    ]  # fmt: skip
+
+
+def lm_args(feeds: dict, config: dict) -> tuple:
+    """`LanguagePass.forward` arguments from inputs keyed by their ONNX names."""
+    attn, gdn = layer_counts(config)
+
+    def group(name: str, count: int) -> list:
+        return [feeds[f"{name}.{i}"] for i in range(count)]
+
+    return (
+        feeds["input_ids"], feeds["image_features"], feeds["positions"], feeds["lengths"],
+        group("prefix_k", attn), group("prefix_v", attn), feeds["prefix_mask"], feeds["src"],
+        group("src_k", attn), group("src_v", attn), feeds["src_mask"],
+        group("src_conv", gdn), group("src_rec", gdn),
+        feeds["read_rows"], feeds["target_rows"], feeds["target_tokens"],
+    )  # fmt: skip
+
+
+def example_lm_feeds(config: dict, dtype: torch.dtype, sizes: dict = EXAMPLE) -> dict:
+    """Valid inputs of the given sizes, for tracing."""
+    tc = config["text_config"]
+    b, t, n, p, q, s, r, m = (sizes[k] for k in "BTNPQSRM")
+    kv, hd, hidden = tc["num_key_value_heads"], tc["head_dim"], tc["hidden_size"]
+    hv, dv = tc["linear_num_value_heads"], tc["linear_value_head_dim"]
+    dk = tc["linear_key_head_dim"]
+    channels = 2 * tc["linear_num_key_heads"] * dk + hv * dv
+    kernel = tc["linear_conv_kernel_dim"]
+    attn, gdn = layer_counts(config)
+    feeds = {
+        "input_ids": torch.randint(0, 100, (b, t)),
+        "image_features": torch.zeros(n, hidden, dtype=dtype),
+        "positions": torch.arange(t).expand(3, b, t).contiguous(),
+        "lengths": torch.full((b,), t),
+        "prefix_mask": torch.ones(1, p, dtype=torch.bool),
+        "src": torch.arange(b) % s,
+        "src_mask": torch.ones(s, q, dtype=torch.bool),
+        "read_rows": torch.arange(r) % (b * t),
+        "target_rows": torch.arange(m) % (b * t),
+        "target_tokens": torch.arange(m),
+    }
+    for i in range(attn):
+        for kind in "kv":
+            feeds[f"prefix_{kind}.{i}"] = torch.zeros(1, kv, p, hd, dtype=dtype)
+            feeds[f"src_{kind}.{i}"] = torch.zeros(s, kv, q, hd, dtype=dtype)
+    for j in range(gdn):
+        feeds[f"src_conv.{j}"] = torch.zeros(s, channels, kernel - 1, dtype=dtype)
+        feeds[f"src_rec.{j}"] = torch.zeros(s, hv, dk, dv)
+    return feeds
+
+
+def lm_dynamic_shapes(config: dict, gdn: str) -> tuple:
+    """`dynamic_shapes` mirroring `lm_args`; T is capped at 64 for the standard-op GDN graph."""
+    b, n, p, q, s, r, m = (Dim(name) for name in "BNPQSRM")
+    t = Dim("T", max=STD_MAX_TOKENS) if gdn == "std" else Dim("T")
+    shapes = {
+        "input_ids": {0: b, 1: t}, "image_features": {0: n}, "positions": {1: b, 2: t},
+        "lengths": {0: b}, "prefix_mask": {1: p}, "src": {0: b}, "src_mask": {0: s, 1: q},
+        "read_rows": {0: r}, "target_rows": {0: m}, "target_tokens": {0: m},
+    }  # fmt: skip
+    attn, gdn_layers = layer_counts(config)
+    for i in range(attn):
+        shapes[f"prefix_k.{i}"] = shapes[f"prefix_v.{i}"] = {2: p}
+        shapes[f"src_k.{i}"] = shapes[f"src_v.{i}"] = {0: s, 2: q}
+    for j in range(gdn_layers):
+        shapes[f"src_conv.{j}"] = shapes[f"src_rec.{j}"] = {0: s}
+    return lm_args(shapes, config)
+
+
+def vision_example(config: dict, dtype: torch.dtype) -> tuple:
+    vc = config["vision_config"]
+    patches = 4 * MERGED_EXAMPLE
+    width = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+    head_dim = vc["hidden_size"] // vc["num_heads"]
+    return (
+        torch.randn(patches, width),
+        torch.zeros(patches, vc["hidden_size"]),
+        torch.ones(patches, head_dim),
+        torch.zeros(patches, head_dim),
+    )
+
+
+def value_info(values) -> list[dict]:
+    """Name, element type and shape (ints or axis names) of ONNX graph inputs or outputs."""
+    described = []
+    for value in values:
+        tensor = value.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        described.append({"name": value.name, "dtype": str(dtype), "shape": shape})
+    return described
+
+
+def name_axes(values, axes: dict[str, dict[int, str]]) -> None:
+    """Gives graph inputs/outputs readable axis names where the exporter made up its own."""
+    for value in values:
+        for axis, name in axes.get(value.name, {}).items():
+            dims = list(value.shape)
+            dims[axis] = ir.SymbolicDim(name)
+            value.shape = ir.Shape(dims)
+
+
+def write_graph(
+    module,
+    args: tuple,
+    dynamic_shapes: tuple,
+    inputs: list[str],
+    outputs: list[str],
+    path: Path,
+    axes: dict | None = None,
+) -> dict:
+    """Exports one graph, caps its ir_version, saves (external data when large), checks it."""
+    started = time.perf_counter()
+    with torch.no_grad(), warnings.catch_warnings():
+        # the exporter's notes on axes it merged and on its own deprecated pytree calls
+        warnings.filterwarnings("ignore", message=".*(will not be used|LeafSpec)")
+        program = torch.onnx.export(
+            module, args, dynamo=True, input_names=inputs, output_names=outputs,
+            dynamic_shapes=dynamic_shapes, opset_version=OPSET, verbose=False,
+        )  # fmt: skip
+    program.model.ir_version = min(program.model.ir_version, MAX_IR_VERSION)
+    name_axes([*program.model.graph.inputs, *program.model.graph.outputs], axes or {})
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    program.save(str(path), external_data=weight_bytes > EXTERNAL_BYTES)
+    onnx.checker.check_model(str(path))
+    proto = onnx.load(str(path), load_external_data=False)
+    return {
+        "file": path.name,
+        "data": data.name if data.exists() else None,
+        "inputs": value_info(proto.graph.input),
+        "outputs": value_info(proto.graph.output),
+        "custom_domains": sorted({n.domain for n in proto.graph.node if n.domain}),
+        "ir_version": proto.ir_version,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def export_vision(export_dir: Path, out_dir: Path, dtype: torch.dtype) -> dict:
+    config = read_config(export_dir)
+    tower, _ = load_vision_tower(export_dir, dtype)
+    merged = Dim("merged")
+    shapes = tuple({0: 4 * merged} for _ in range(4))
+    names = ["pixel_values", "pos_embeds", "cos", "sin"]
+    axes = {name: {0: "patches"} for name in names} | {"image_features": {0: "N"}}
+    return write_graph(
+        tower,
+        vision_example(config, dtype),
+        shapes,
+        names,
+        ["image_features"],
+        out_dir / "vision.onnx",
+        axes,
+    )
+
+
+def export_language(
+    export_dir: Path,
+    out_dir: Path,
+    dtype: torch.dtype,
+    gdn: str,
+    readout: str,
+    return_state: bool,
+    module: LanguagePass | None = None,
+) -> dict:
+    config = read_config(export_dir)
+    if module is None:
+        module = load_language_pass(
+            export_dir, dtype, return_state=return_state, gdn=gdn, readout=readout
+        )
+    module.return_state, module.readout = return_state, readout
+    for layer in module.layers:
+        if layer.kind == "linear_attention":
+            layer.linear_attn.gdn = gdn
+    args = lm_args(example_lm_feeds(config, dtype), config)
+    name = "lm_state" if return_state else "lm_rows"
+    return write_graph(
+        module,
+        args,
+        lm_dynamic_shapes(config, gdn),
+        lm_input_names(config),
+        lm_output_names(config, return_state),
+        out_dir / f"{name}.onnx",
+    )
+
+
+def export_onnx(
+    export_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str = "float32",
+    gdn: str = "ort",
+    readout: str = "std",
+    graphs: tuple[str, ...] = GRAPHS,
+) -> dict:
+    """Writes the ONNX files of one variant and `onnx_export.json`; returns the description.
+
+    gdn="ort" uses onnxruntime's fused LinearAttention; gdn="std" standard ops only (passes of at
+    most 64 tokens). readout="plugin" emits the `omnijev::TokenLogProbs` node for TensorRT."""
+    if dtype not in DTYPES or gdn not in GDN_VARIANTS or readout not in READOUT_VARIANTS:
+        raise ValueError(f"dtype {dtype!r}, gdn {gdn!r} or readout {readout!r} is not known")
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = read_config(export_dir)
+    torch_dtype = DTYPES[dtype]
+    files = {}
+    if "vision" in graphs:
+        files["vision"] = export_vision(export_dir, out_dir, torch_dtype)
+    lm_graphs = [g for g in ("lm_state", "lm_rows") if g in graphs]
+    module = (
+        load_language_pass(export_dir, torch_dtype, gdn=gdn, readout=readout) if lm_graphs else None
+    )
+    for graph in lm_graphs:
+        files[graph] = export_language(
+            export_dir, out_dir, torch_dtype, gdn, readout, graph == "lm_state", module
+        )
+    types = config["text_config"]["layer_types"]
+    description = {
+        "format": FORMAT,
+        "dtype": dtype,
+        "gdn": gdn,
+        "readout": readout,
+        "readout_domain": DOMAIN if readout == "plugin" else None,
+        "max_tokens": STD_MAX_TOKENS if gdn == "std" else None,
+        "opset": OPSET,
+        "image_token_id": config["image_token_id"],
+        "attention_layers": [n for n, kind in enumerate(types) if kind == "full_attention"],
+        "delta_layers": [n for n, kind in enumerate(types) if kind == "linear_attention"],
+        "graphs": files,
+    }
+    manifest = out_dir / MANIFEST
+    previous = json.loads(manifest.read_text("utf-8")) if manifest.is_file() else {}
+    if {k: previous.get(k) for k in ("dtype", "gdn", "readout")} == {
+        k: description[k] for k in ("dtype", "gdn", "readout")
+    }:
+        description["graphs"] = {**previous.get("graphs", {}), **files}
+    manifest.write_text(json.dumps(description, indent=1) + "\n", "utf-8")
+    return description
+
+
+def cli_export(args) -> int:
+    """`omnijev export --checkpoint DIR --out DIR [--dtype]`."""
+    gdn, readout = getattr(args, "gdn", "ort"), getattr(args, "readout", "std")
+    description = export_onnx(args.checkpoint, args.out, args.dtype, gdn, readout)
+    for graph, info in description["graphs"].items():
+        print(f"{graph}: {info['file']} ({info['seconds']} s)")
+    return 0
