@@ -448,6 +448,8 @@ def cli_demo(args: Any) -> int:
 
     checkpoint, engines_dir = DEMO_DIR / "checkpoint", DEMO_DIR / "engines"
     if not (checkpoint / "omnijev_export.json").exists():  # the manifest is written last
+        shutil.rmtree(checkpoint, ignore_errors=True)  # a build that died half-way
+        shutil.rmtree(checkpoints.release_path(checkpoint), ignore_errors=True)
         checkpoints.make_checkpoint("tiny", 0, checkpoint)
     if not engines_dir.exists():
         partial = DEMO_DIR / "engines.partial"  # renamed when complete, so a crash rebuilds

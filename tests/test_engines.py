@@ -385,7 +385,6 @@ def tiny_engines(tmp_path_factory):
     return build_engines(tiny_export(tmp_path_factory), tmp_path_factory.mktemp("tiny-engines"))
 
 
-@pytest.mark.slow
 @needs_library
 def test_tiny_checkpoint_engine_directory(tiny_engines):
     root = tiny_engines
@@ -409,7 +408,6 @@ def test_tiny_checkpoint_engine_directory(tiny_engines):
     assert trt_build.verify_plans(root) == []
 
 
-@pytest.mark.slow
 @needs_library
 def test_tiny_checkpoint_rebuild_and_change_detection(tiny_engines, tmp_path):
     """Plans rebuilt from the same files (timing cache replayed): same sizes, a few differing
