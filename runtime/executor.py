@@ -94,6 +94,7 @@ class Executor:
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
+        self.image_token = int(self.config.get("image_token_id", 248056))
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
 
     # -- request side -------------------------------------------------------------------
@@ -273,10 +274,67 @@ class Executor:
     ) -> dict[str, torch.Tensor]:
         if not with_state and not self.backend.has_graph("lm_rows"):
             with_state = True  # an engine directory without the readout-only variant
+        limit = getattr(self.backend, "max_pass_tokens", None)
+        if limit and rows.shape[1] > limit:
+            return self.run_split(rows, features, prefix, src, with_state, limit)
         graph = "lm_state" if with_state else "lm_rows"
         outputs = self.outputs(rows, with_state)
         self.backend.run(graph, self.feeds(rows, features, prefix, src), outputs)
         return outputs
+
+    def run_split(
+        self,
+        rows: Pass,
+        features: torch.Tensor,
+        prefix: State,
+        src: State,
+        with_state: bool,
+        limit: int,
+    ) -> dict[str, torch.Tensor]:
+        """A pass longer than the engine takes (the standard-op Gated DeltaNet: one chunk of
+        `limit` tokens) as consecutive pieces, each continuing the rows' own state."""
+        b, t = rows.shape
+        hidden = torch.empty(len(rows.arrays()["read_rows"]), self.dims.hidden, device=self.device)
+        logprobs = torch.empty(len(rows.arrays()["target_rows"]), device=self.device)
+        own_k: list[list[torch.Tensor]] = [[] for _ in range(self.dims.attention_layers)]
+        own_v: list[list[torch.Tensor]] = [[] for _ in range(self.dims.attention_layers)]
+        state, image_rows, out = src, 0, {}
+        for start in range(0, t, limit):
+            piece = slice_pass(rows, start, min(t, start + limit))
+            count = int((piece.input_ids == self.image_token).sum())
+            piece_features = features[image_rows : image_rows + count] if count else features[:1]
+            image_rows += count
+            out = self.run_pass(piece, piece_features, prefix, state, with_state=True)
+            hidden[piece.read_index] = out["hidden"][: len(piece.read_index)]
+            logprobs[piece.target_index] = out["logprobs"][: len(piece.target_index)]
+            for i in range(self.dims.attention_layers):
+                own_k[i].append(out[f"out_k.{i}"])
+                own_v[i].append(out[f"out_v.{i}"])
+            state = self.continued(src, rows, own_k, own_v, out, start + piece.shape[1])
+        result = {"hidden": hidden, "logprobs": logprobs}
+        if with_state:
+            for i in range(self.dims.attention_layers):
+                result[f"out_k.{i}"] = torch.cat(own_k[i], dim=2)
+                result[f"out_v.{i}"] = torch.cat(own_v[i], dim=2)
+            for j in range(self.dims.delta_layers):
+                result[f"out_conv.{j}"] = out[f"out_conv.{j}"]
+                result[f"out_rec.{j}"] = out[f"out_rec.{j}"]
+        return result
+
+    def continued(
+        self, src: State, rows: Pass, own_k: list, own_v: list, out: dict, done: int
+    ) -> State:
+        """Per-row past for the next piece: the rows' source past, then their own tokens so far."""
+        index = torch.as_tensor(rows.src, device=self.device)
+        lengths = torch.as_tensor(rows.lengths, device=self.device)
+        own_mask = torch.arange(done, device=self.device)[None, :] < lengths[:, None]
+        return State(
+            k=[torch.cat([src.k[i][index], *own_k[i]], dim=2) for i in range(len(own_k))],
+            v=[torch.cat([src.v[i][index], *own_v[i]], dim=2) for i in range(len(own_v))],
+            mask=torch.cat([src.mask[index], own_mask], dim=1),
+            conv=[out[f"out_conv.{j}"] for j in range(self.dims.delta_layers)],
+            rec=[out[f"out_rec.{j}"] for j in range(self.dims.delta_layers)],
+        )
 
     def state_from(self, out: dict[str, torch.Tensor], rows: Pass) -> State:
         d = self.dims
@@ -316,6 +374,30 @@ class Executor:
     def dummy_features(self) -> torch.Tensor:
         dtype = self._lm_dtypes["image_features"]
         return torch.zeros(1, self.dims.hidden, dtype=dtype, device=self.device)
+
+
+def slice_pass(rows: Pass, start: int, end: int) -> Pass:
+    """Tokens [start, end) of every row; readouts inside them, remembered by their index."""
+    width = end - start
+    piece = Pass(
+        input_ids=np.ascontiguousarray(rows.input_ids[:, start:end]),
+        positions=np.ascontiguousarray(rows.positions[:, :, start:end]),
+        lengths=np.clip(rows.lengths - start, 0, width),
+        src=np.arange(rows.shape[0], dtype=np.int64) if start else rows.src,
+    )
+    t = rows.shape[1]
+    piece.read_index, piece.target_index = [], []
+    for n, flat in enumerate(rows.read_rows):
+        row, col = divmod(flat, t)
+        if start <= col < end:
+            piece.read_index.append(n)
+            piece.read_rows.append(row * width + col - start)
+    for n, (flat, token) in enumerate(rows.targets):
+        row, col = divmod(flat, t)
+        if start <= col < end:
+            piece.target_index.append(n)
+            piece.targets.append((row * width + col - start, token))
+    return piece
 
 
 class Stopwatch:

@@ -19,3 +19,16 @@ def tiny_engines(tmp_path_factory) -> tuple[Path, Path]:
         export_onnx(export, engines / "onnx_ort", dtype="float32", gdn="ort", readout="std")
         _BUILT[export] = engines
     return export, _BUILT[export]
+
+
+def tiny_std_engines(tmp_path_factory) -> Path:
+    """The standard-op variant (what TensorRT builds): one 64-token chunk per pass."""
+    from build_engines.onnx_export import export_onnx
+
+    export = tiny_export(tmp_path_factory)
+    key = export / "std"
+    if key not in _BUILT:
+        engines = tmp_path_factory.mktemp("tiny-std")
+        export_onnx(export, engines / "onnx_ort", dtype="float32", gdn="std", readout="std")
+        _BUILT[key] = engines
+    return _BUILT[key]

@@ -7,6 +7,7 @@ buffers, captured on first use and replayed afterwards (engines.md §7.3).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -58,6 +59,14 @@ def onnx_dir(engines_dir: Path) -> Path:
     return path if path.is_dir() else Path(engines_dir)
 
 
+def max_pass_tokens(folder: Path) -> int | None:
+    """The standard-op Gated DeltaNet variant takes one chunk per pass (onnx_export.json)."""
+    description = folder / "onnx_export.json"
+    if not description.exists():
+        return None
+    return json.loads(description.read_text()).get("max_tokens")
+
+
 def bind(binding: ort.IOBinding, name: str, tensor: torch.Tensor, output: bool) -> None:
     device = "cuda" if tensor.is_cuda else "cpu"
     method = binding.bind_output if output else binding.bind_input
@@ -107,6 +116,7 @@ class OrtBackend:
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("OMNIJEV_CUDA_GRAPHS", "1") != "0"
         folder = onnx_dir(engines_dir)
+        self.max_pass_tokens = max_pass_tokens(folder)
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.graphs_on: dict[str, bool] = {}
         for graph in GRAPHS:
