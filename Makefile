@@ -8,7 +8,7 @@ ENGINES ?= artifacts/tiny-engines
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv test lint demo serve checkpoint engines parity bench clean
+.PHONY: venv test lint demo serve checkpoint engines parity bench profile clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,17 @@ demo: venv
 
 serve: venv
 	$(OMNIJEV) serve --checkpoint $(CHECKPOINT) --engines $(ENGINES) --host $(HOST) --port $(PORT)
+
+parity: venv
+	$(OMNIJEV) parity --checkpoint $(CHECKPOINT) --engines $(ENGINES)
+
+bench: venv
+	$(OMNIJEV) bench --checkpoint $(CHECKPOINT) --engines $(ENGINES) $(BENCH_ARGS)
+
+# the per-stage profile of every workload, with the reference beside (needs a GPU to mean much)
+profile: venv
+	$(OMNIJEV) bench --checkpoint $(CHECKPOINT) --engines $(ENGINES) --runs 5 \
+		--reference-dtype bfloat16 --out artifacts/profile.json
 
 clean:
 	rm -rf artifacts .pytest_cache

