@@ -215,8 +215,15 @@ def time_runs(answer, request: bytes, runs: int, stages: dict | None = None) -> 
     return times
 
 
-def latency(executor, reference=None, runs: int = WARM_RUNS) -> list[dict]:
+def latency(
+    executor, reference=None, runs: int = WARM_RUNS, prefix_cache: bool = False
+) -> list[dict]:
+    """Each workload from request JSON to response. The image is the same in every run, so the
+    cross-request prefix cache is off unless asked for: the numbers are the full path's."""
     image = encode(screen_image(*BENCH_SIZE, seed=1), "PNG")
+    if not prefix_cache:
+        executor.prefix_cache.size = 0
+        executor.prefix_cache.entries.clear()
     rows = []
     for name, questions in workloads().items():
         request = body(image, "image/png", questions)

@@ -84,6 +84,8 @@ def test_readouts_match_reference_states(executor, reference):
 
 
 def test_answer_does_not_depend_on_other_questions_or_order(executor):
+    executor.prefix_cache.entries.clear()
+    executor.prefix_cache.size = 0  # recompute the image prefix for every request
     image, mime = IMAGES["pattern.png"]
     questions = {**speed_bench_questions(12), **gate_questions()}
     together = without_latency(executor.answer(request_body(image, questions, mime)))
@@ -111,8 +113,15 @@ def test_response_shape(executor):
     assert response["model"] == "tinnel123/OmniJev"
     assert response["usage"]["output_tokens"] == 0
     q0, q1, q2 = (response["answers"][q] for q in ("q0", "q1", "q2"))
-    assert list(q0) == ["choice", "probabilities", "abstain", "valid", "confidence", "latency_s",
-                        "latency_total_s"]
+    assert list(q0) == [
+        "choice",
+        "probabilities",
+        "abstain",
+        "valid",
+        "confidence",
+        "latency_s",
+        "latency_total_s",
+    ]
     assert list(q1) == ["noul", "latency_s", "latency_total_s"]
     assert list(q2) == ["score", "probabilities", "confidence", "latency_s", "latency_total_s"]
     assert q0["latency_total_s"] > 0
@@ -122,8 +131,17 @@ def test_cli_run(engines, tmp_path):
     export, engine_dir = engines
     request = tmp_path / "request.json"
     request.write_bytes(request_body(pattern_png(64, 48), speed_bench_questions(1)))
-    command = [sys.executable, "-m", "runtime.cli", "run", str(request), "--checkpoint",
-               str(export), "--engines", str(engine_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "runtime.cli",
+        "run",
+        str(request),
+        "--checkpoint",
+        str(export),
+        "--engines",
+        str(engine_dir),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "q0" in json.loads(done.stdout)["answers"]
@@ -131,3 +149,21 @@ def test_cli_run(engines, tmp_path):
     refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1
     assert refused.stderr.strip() == "request requires state"
+
+
+def test_prefix_cache_reuses_the_image_prefix_without_changing_answers(executor):
+    from runtime.executor import PrefixCache
+
+    image, mime = IMAGES["photo.jpg"]
+    body = request_body(image, speed_bench_questions(3), mime)
+    executor.prefix_cache = PrefixCache(0)
+    computed = without_latency(executor.answer(body))
+    executor.prefix_cache = PrefixCache(2)
+    first = without_latency(executor.answer(body))
+    second = without_latency(executor.answer(body))
+    assert (executor.prefix_cache.misses, executor.prefix_cache.hits) == (1, 1)
+    assert json.dumps(first) == json.dumps(computed) == json.dumps(second)
+    for size in ((64, 48), (96, 64)):  # two more images evict the first (LRU of 2)
+        executor.answer(request_body(pattern_png(*size), speed_bench_questions(1)))
+    executor.answer(body)
+    assert executor.prefix_cache.misses == 4 and len(executor.prefix_cache.entries) == 2
