@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.heads import head_shapes
+
 FORMAT = "omnijev-merged/1"
 MANIFEST = "omnijev_export.json"
 INDEX = "model.safetensors.index.json"
@@ -49,7 +51,6 @@ TEMPERATURE_KEYS = ("noul", "choice", "score")
 TOKENIZER_IDS = {"<|image_pad|>": 248056, **OPTION_TOKENS}  # the processor's check
 IMAGE_TOKEN_ID = 248056  # the executor's check of config.json
 REAL_HIDDEN = 2560  # the executor's check; synthetic exports may be narrower
-LM_FEATURES = 6  # per-option LM features (contract.md §6.2)
 # Accepted names of the language model's tensors (contract.md §8.3), longest prefix first.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
 IGNORED_LANGUAGE = ("lm_head.", "mtp.")  # tied output projection; multi-token prediction
@@ -330,34 +331,6 @@ def load_vision_state(info: ExportInfo, dtype: torch.dtype | None = None) -> dic
     if stray:
         raise ExportError(f"export {VISION} holds {stray[0]}, expected model.visual.* only")
     return state
-
-
-def head_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of `heads.safetensors` for hidden size D (contract.md §6.1).
-
-    OptionScorer(D, min(1024, 2D)) as `head.*`, OrdinalScoreHead(D, min(512, D)) as `ord.*`;
-    `Linear` weights are [out, in].
-    """
-    width, ordinal = min(1024, 2 * hidden), min(512, hidden)
-    shapes = {}
-    for name, fan_in, out in (
-        ("head.opt.0", hidden, width),
-        ("head.opt.2", width, width),
-        ("head.que.0", hidden, width),
-        ("head.que.2", width, width),
-        ("head.score", width, 1),
-        ("head.abstain", width, 1),
-        ("head.feat", LM_FEATURES, width),
-        ("head.feat_lin", LM_FEATURES, 1),
-        ("ord.z.0", hidden, ordinal),
-        ("ord.z.2", ordinal, 1),
-        ("ord.cut.0", hidden, ordinal),
-        ("ord.cut.2", ordinal, 1),
-    ):
-        shapes[f"{name}.weight"] = (out, fan_in)
-        shapes[f"{name}.bias"] = (out,)
-    shapes["head.log_tau"] = (3,)  # noul, choice, score
-    return shapes
 
 
 def check_heads(state: dict[str, torch.Tensor], hidden: int) -> None:

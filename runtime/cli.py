@@ -42,8 +42,22 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name in ("export", "engines"):
         parser.add_argument("--out", required=True)
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    if name == "export":
+        parser.add_argument(
+            "--gdn",
+            choices=("ort", "std"),
+            default="ort",
+            help="fused ONNX Runtime ops, or standard ops (64 tokens a pass)",
+        )
+        parser.add_argument(
+            "--readout",
+            choices=("std", "plugin"),
+            default="std",
+            help="standard ops, or the omnijev::TokenLogProbs plugin node",
+        )
     if name == "engines":
         parser.add_argument("--skip-plans", action="store_true", help="ONNX only")
+        parser.add_argument("--timing-cache", default=None, help="replay this timing cache")
     if name in ("run", "serve", "parity", "bench"):
         parser.add_argument("--engines", required=True)
         parser.add_argument("--backend", default="auto")

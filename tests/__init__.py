@@ -1,0 +1,1 @@
+"""The test suite (`make test`); shared helpers live in *_fixtures.py and server_helpers.py."""
