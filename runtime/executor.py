@@ -438,7 +438,6 @@ def slice_pass(rows: Pass, start: int, end: int) -> Pass:
         src=np.arange(rows.shape[0], dtype=np.int64) if start else rows.src,
     )
     t = rows.shape[1]
-    piece.read_index, piece.target_index = [], []
     for n, flat in enumerate(rows.read_rows):
         row, col = divmod(flat, t)
         if start <= col < end:

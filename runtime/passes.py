@@ -43,6 +43,9 @@ class Pass:
     src: np.ndarray  # int64 [B]
     read_rows: list[int] = field(default_factory=list)  # flat indices into B * T
     targets: list[tuple[int, int]] = field(default_factory=list)  # (flat index, token)
+    # for a piece of a longer pass: where its readouts go in the whole pass's outputs
+    read_index: list[int] = field(default_factory=list)
+    target_index: list[int] = field(default_factory=list)
 
     @property
     def shape(self) -> tuple[int, int]:
