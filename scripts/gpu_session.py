@@ -218,7 +218,7 @@ def parity4b() -> None:
     from runtime import bench
     from runtime.executor import load_engine
 
-    times = build("4b", ("float32",), {"float32": ("vision", "lm_state")})
+    times = build("4b", ("float32",), {})
     export, engines = WORK / "4b-export", WORK / "4b-float32"
     executor = load_engine(str(export), str(engines), "onnxruntime")
     reference = Reference(export, dtype="float32", device=DEVICE)

@@ -232,3 +232,27 @@ def test_ort_linear_attention_is_transformers_recurrence():
     )
     assert relative(out, expected.reshape(b, t, heads * d)) < 1e-5
     assert relative(new_state, expected_state) < 1e-5
+
+
+def test_rows_graph_is_derived_without_state_outputs_and_shares_weights(tmp_path, tmp_path_factory):
+    """lm_rows is lm_state pruned to its readouts, reading lm_state's external data in place."""
+    import onnx
+
+    import build_engines.onnx_export as ox
+    from tests.checkpoint_fixtures import tiny_export
+
+    export = tiny_export(tmp_path_factory)
+    saved = ox.EXTERNAL_BYTES
+    ox.EXTERNAL_BYTES = 0  # force external data, as the 4b export has
+    try:
+        description = ox.export_onnx(export, tmp_path / "onnx", graphs=("lm_state", "lm_rows"))
+    finally:
+        ox.EXTERNAL_BYTES = saved
+    rows = description["graphs"]["lm_rows"]
+    assert rows["derived_from"] == "lm_state.onnx"
+    assert rows["data"] == "lm_state.onnx.data"
+    assert [o["name"] for o in rows["outputs"]] == ["hidden", "logprobs"]
+    assert not (tmp_path / "onnx" / "lm_rows.onnx.data").exists()
+    model = onnx.load(str(tmp_path / "onnx" / "lm_rows.onnx"), load_external_data=False)
+    state = onnx.load(str(tmp_path / "onnx" / "lm_state.onnx"), load_external_data=False)
+    assert len(model.graph.node) < len(state.graph.node)
