@@ -167,3 +167,19 @@ def test_prefix_cache_reuses_the_image_prefix_without_changing_answers(executor)
         executor.answer(request_body(pattern_png(*size), speed_bench_questions(1)))
     executor.answer(body)
     assert executor.prefix_cache.misses == 4 and len(executor.prefix_cache.entries) == 2
+
+
+def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypatch):
+    """OMNIJEV_STATIC_SHAPES: one session per shape signature with its dimensions fixed (the way
+    to CUDA graphs on ONNX Runtime); the answers must not move."""
+    from runtime.executor import load_engine
+
+    monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
+    static = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+    assert static.backend.static
+    image, mime = IMAGES["pattern.png"]
+    body = request_body(image, speed_bench_questions(6), mime)
+    assert json.dumps(without_latency(static.answer(body))) == json.dumps(
+        without_latency(executor.answer(body))
+    )
+    assert static.backend._slots  # the passes really ran through fixed-shape sessions

@@ -21,7 +21,8 @@ log = logging.getLogger("omnijev.ort")
 
 ONNX_DIR = "onnx_ort"  # the ONNX Runtime variant inside an engine directory
 GRAPHS = ("vision", "lm_state", "lm_rows")
-MAX_CUDA_GRAPHS = 64  # shape signatures kept per session; each holds its own buffers
+MAX_CUDA_GRAPHS = 64  # shape signatures kept; each holds its own buffers
+MAX_STATIC_SESSIONS = 12  # static-shape sessions kept; each holds its own copy of the weights
 BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32,
@@ -89,6 +90,7 @@ class GraphSlot:
     outputs: dict[str, torch.Tensor]
     binding: ort.IOBinding
     options: ort.RunOptions
+    session: ort.InferenceSession
 
 
 def signature(feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> tuple:
@@ -118,6 +120,11 @@ class OrtBackend:
             cuda_graphs = os.environ.get("OMNIJEV_CUDA_GRAPHS", "0") == "1"
         folder = onnx_dir(engines_dir)
         self.max_pass_tokens = max_pass_tokens(folder)
+        # one session per shape signature with its dimensions fixed, so that ONNX Runtime folds
+        # the shape arithmetic that otherwise keeps nodes on the CPU and CUDA graphs off
+        self.static = os.environ.get("OMNIJEV_STATIC_SHAPES", "0") == "1"
+        self._paths = {graph: str(folder / f"{graph}.onnx") for graph in GRAPHS}
+        self._threads, self._cuda_graphs = threads, cuda_graphs
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.graphs_on: dict[str, bool] = {}
         for graph in GRAPHS:
@@ -135,6 +142,7 @@ class OrtBackend:
             for graph, s in self.sessions.items()
         }
         self._slots: dict[tuple, GraphSlot] = {}
+        self._graph_ids = 0
 
     def _providers(self, graphs: bool) -> list:
         if self.device.type != "cuda":
@@ -185,7 +193,7 @@ class OrtBackend:
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self._checked(graph, feeds)
-        if self.graphs_on[graph]:
+        if self.graphs_on[graph] or self.static:
             self._replay(graph, feeds, outputs)
             return
         binding = self.sessions[graph].io_binding()
@@ -197,13 +205,29 @@ class OrtBackend:
             torch.cuda.current_stream(self.device).synchronize()
         self.sessions[graph].run_with_iobinding(binding)
 
+    def _static_session(self, graph: str, feeds: dict[str, torch.Tensor]) -> ort.InferenceSession:
+        """A session whose named dimensions are fixed to these feeds' sizes."""
+        options = session_options(self._threads)
+        fixed = {}
+        for spec in self.sessions[graph].get_inputs():
+            if spec.name not in feeds:
+                continue
+            for dim, size in zip(spec.shape, feeds[spec.name].shape, strict=True):
+                if isinstance(dim, str) and fixed.setdefault(dim, size) != size:
+                    raise ValueError(f"{graph}: dimension {dim} is both {fixed[dim]} and {size}")
+        for dim, size in fixed.items():
+            options.add_free_dimension_override_by_name(dim, int(size))
+        graphs = self._cuda_graphs and self.device.type == "cuda"
+        return ort.InferenceSession(self._paths[graph], options, providers=self._providers(graphs))
+
     def _slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot:
         key = (graph, signature(feeds, outputs))
         slot = self._slots.get(key)
         if slot is None:
-            if len(self._slots) >= MAX_CUDA_GRAPHS:
-                raise RuntimeError(f"more than {MAX_CUDA_GRAPHS} shape signatures")
-            binding = self.sessions[graph].io_binding()
+            if len(self._slots) >= (MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS):
+                self._slots.pop(next(iter(self._slots)))  # the least recently created
+            session = self._static_session(graph, feeds) if self.static else self.sessions[graph]
+            binding = session.io_binding()
             static_feeds = {n: torch.empty_like(t) for n, t in feeds.items()}
             static_outputs = {n: torch.empty_like(t) for n, t in outputs.items()}
             for name, tensor in static_feeds.items():
@@ -211,9 +235,10 @@ class OrtBackend:
             for name, tensor in static_outputs.items():
                 bind(binding, name, tensor, output=True)
             options = ort.RunOptions()
-            graph_id = 1 + sum(1 for k in self._slots if k[0] == graph)  # 0 is ORT's default
+            self._graph_ids += 1  # 0 is ORT's default id; never reused after an eviction
+            graph_id = self._graph_ids
             options.add_run_config_entry("gpu_graph_id", str(graph_id))
-            slot = GraphSlot(graph_id, static_feeds, static_outputs, binding, options)
+            slot = GraphSlot(graph_id, static_feeds, static_outputs, binding, options, session)
             self._slots[key] = slot
         return slot
 
@@ -221,7 +246,8 @@ class OrtBackend:
         slot = self._slot(graph, feeds, outputs)
         for name, tensor in feeds.items():
             slot.feeds[name].copy_(tensor, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        self.sessions[graph].run_with_iobinding(slot.binding, slot.options)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        slot.session.run_with_iobinding(slot.binding, slot.options)
         for name, tensor in outputs.items():
             tensor.copy_(slot.outputs[name], non_blocking=True)
