@@ -17,6 +17,7 @@ COMMANDS = {
     "run": ("runtime.executor", "cli_run", "answer a request file through the engines"),
     "parity": ("runtime.bench", "cli_parity", "compare answers with the float32 reference"),
     "bench": ("runtime.bench", "cli_bench", "time the workloads, with the reference beside"),
+    "calibrate": ("calibration.fit", "cli_calibrate", "fit temperatures to labelled head outputs"),
     "serve": ("server.app", "cli_serve", "serve POST /v1/systemone"),
     "demo": ("server.app", "cli_demo", "build the tiny demo model and serve it on the CPU"),
 }
@@ -28,6 +29,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("request", help="request JSON file")
     if name in ("explain", "reference", "run", "export", "engines", "serve", "parity", "bench"):
         parser.add_argument("--checkpoint", required=name != "explain", help="export directory")
+    if name == "calibrate":
+        parser.add_argument("records", help="JSON lines of {type, mu, label}")
+        parser.add_argument("--checkpoint", default=None, help="start from this export's values")
     if name == "checkpoint":
         parser.add_argument("--preset", choices=("tiny", "4b"), default="tiny")
         parser.add_argument("--seed", type=int, default=0)

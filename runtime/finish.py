@@ -165,18 +165,25 @@ def _check_mu(mu, keys: Sequence[str]) -> np.ndarray:
     return mu
 
 
-def _noul(mu: np.ndarray, calibration: Calibration) -> dict:
+def noul_probability(mu: np.ndarray, calibration: Calibration) -> float:
+    """P(yes) after the log-odds bias and the temperature, unrounded (`MSO1._finish`)."""
     p0 = float(mu[0])
     bias = calibration.noul_bias
     if bias:
         p0 = min(max(p0, NOUL_CLAMP), 1.0 - NOUL_CLAMP)
         z = max(-LOGIT_LIMIT, min(LOGIT_LIMIT, math.log(p0 / (1.0 - p0)) + bias))
         p0 = 1.0 / (1.0 + math.exp(-z))
-    p = scale([p0, 1.0 - p0], calibration.temperatures["noul"])[0]
-    return {"noul": round4(p)}
+    return scale([p0, 1.0 - p0], calibration.temperatures["noul"])[0]
 
 
-def _choice(keys: Sequence[str], mu: np.ndarray, calibration: Calibration) -> dict:
+def _noul(mu: np.ndarray, calibration: Calibration) -> dict:
+    return {"noul": round4(noul_probability(mu, calibration))}
+
+
+def choice_probabilities(
+    mu: np.ndarray, calibration: Calibration
+) -> tuple[np.ndarray, np.float32, bool]:
+    """Calibrated option probabilities, abstain and validity, unrounded (`choice_outputs`)."""
     s = torch_sum_f32(mu)
     valid = bool(s <= VALID_LIMIT)
     if valid:
@@ -184,8 +191,12 @@ def _choice(keys: Sequence[str], mu: np.ndarray, calibration: Calibration) -> di
     else:
         probs, abstain = (mu / s).astype(np.float32), np.float32(0.0)
     full = scale([float(p) for p in probs] + [float(abstain)], calibration.temperatures["choice"])
-    probs = np.array(full[:-1], dtype=np.float32)  # the reference stores back with torch.tensor
-    abstain = np.float32(full[-1])
+    # the reference stores back with torch.tensor: float32
+    return np.array(full[:-1], dtype=np.float32), np.float32(full[-1]), valid
+
+
+def _choice(keys: Sequence[str], mu: np.ndarray, calibration: Calibration) -> dict:
+    probs, abstain, valid = choice_probabilities(mu, calibration)
     values = [float(p) for p in probs]
     confidence = jev_confidence(np.append(probs, abstain))
     return {
@@ -197,13 +208,18 @@ def _choice(keys: Sequence[str], mu: np.ndarray, calibration: Calibration) -> di
     }
 
 
-def _score(keys: Sequence[str], mu: np.ndarray, calibration: Calibration) -> dict:
+def score_probabilities(mu: np.ndarray, calibration: Calibration) -> list[float]:
+    """Calibrated level probabilities, unrounded (`choice_outputs` without abstain)."""
     s = torch_sum_f32(mu)
     probs = (mu / max(s, SCORE_SUM_FLOOR)).astype(np.float32)
     full = scale([float(p) for p in probs] + [0.0], calibration.temperatures["score"])
     values = [float(p) for p in np.array(full[:-1], dtype=np.float32)]
     total = python310_sum(values) or 1.0
-    values = [p / total for p in values]  # float64 renormalization over the levels
+    return [p / total for p in values]  # float64 renormalization over the levels
+
+
+def _score(keys: Sequence[str], mu: np.ndarray, calibration: Calibration) -> dict:
+    values = score_probabilities(mu, calibration)
     return {
         "score": keys[first_argmax(values)],
         "probabilities": {key: round4(p) for key, p in zip(keys, values, strict=True)},
