@@ -33,6 +33,10 @@ def batch_bucket(n: int, cap: int) -> int:
     return min(size, cap)
 
 
+def padded(values: list[int], filler: int) -> list[int]:
+    return values + [filler] * (batch_bucket(max(len(values), 1), 1 << 30) - len(values))
+
+
 @dataclass
 class Pass:
     """One pass over right-padded rows; arrays follow the ONNX inputs of docs/design.md."""
@@ -52,10 +56,12 @@ class Pass:
         return self.input_ids.shape  # type: ignore[return-value]
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """Row inputs; readout arrays never empty (one dummy read keeps shapes non-zero)."""
-        read = self.read_rows or [0]
-        rows = [t[0] for t in self.targets] or [0]
-        tokens = [t[1] for t in self.targets] or [0]
+        """Row inputs. Readout lists are padded with reads of token 0 at row 0 to a power of two
+        (never empty), so that shapes repeat across requests: one captured graph or fixed-shape
+        session serves many. Every readout is per row; the padding changes no real one."""
+        read = padded(self.read_rows, 0)
+        rows = padded([t[0] for t in self.targets], 0)
+        tokens = padded([t[1] for t in self.targets], 0)
         return {
             "input_ids": self.input_ids,
             "positions": self.positions,

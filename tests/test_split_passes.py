@@ -75,3 +75,15 @@ def test_slice_pass_keeps_readouts_in_their_piece():
     assert second.read_index == [0] and second.read_rows == [3]
     assert first.target_index == [0, 2] and first.targets == [(3, 11), (4 + 1, 13)]
     assert second.target_index == [1] and second.targets == [(1, 12)]
+
+
+def test_readout_arrays_are_padded_to_powers_of_two():
+    rows = empty_pass(1, 8)
+    fill_row(rows, 0, list(range(1, 6)), np.tile(np.arange(5), (3, 1)))
+    assert len(rows.arrays()["read_rows"]) == 1 and len(rows.arrays()["target_rows"]) == 1
+    rows.read_rows += [1, 2, 3]
+    rows.targets += [(0, 7), (1, 8), (2, 9), (3, 10), (4, 11)]
+    arrays = rows.arrays()
+    assert arrays["read_rows"].tolist() == [1, 2, 3, 0]
+    assert arrays["target_rows"].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert arrays["target_tokens"].tolist() == [7, 8, 9, 10, 11, 0, 0, 0]
