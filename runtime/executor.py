@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from runtime.backends import Backend, choose_backend
-from runtime.passes import OptionPass, Pass, Plan, QuestionPass, plan
+from runtime.passes import PREFIX_STEP, OptionPass, Pass, Plan, QuestionPass, bucket, plan
 from runtime.types import Prepared, QuestionReadout
 
 MODEL_ID = "tinnel123/OmniJev"  # the name every response carries (contract.md §2.2)
@@ -204,7 +204,11 @@ class Executor:
         out = torch.empty(rows, self.dims.hidden, dtype=self._lm_dtypes["image_features"])
         outputs = {self.output_name("vision", "image_features"): out.to(self.device)}
         self.backend.run("vision", feeds, outputs)
-        return next(iter(outputs.values()))
+        features = next(iter(outputs.values()))
+        # zero rows up to the prefix's bucket: the pass takes image rows in order, so the extra
+        # rows are never read, and the prefix pass's shapes repeat across image sizes
+        extra = bucket(rows, PREFIX_STEP) - rows
+        return torch.cat([features, features.new_zeros(extra, features.shape[1])])
 
     def output_name(self, graph: str, wanted: str) -> str:
         names = self.backend.output_names(graph)

@@ -23,6 +23,8 @@ ONNX_DIR = "onnx_ort"  # the ONNX Runtime variant inside an engine directory
 GRAPHS = ("vision", "lm_state", "lm_rows")
 MAX_CUDA_GRAPHS = 64  # shape signatures kept; each holds its own buffers
 MAX_STATIC_SESSIONS = 12  # static-shape sessions kept; each holds its own copy of the weights
+# the vision graph's size follows the image (a full-attention tower cannot be padded): dynamic
+STATIC_GRAPHS = ("lm_state", "lm_rows")
 BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32,
@@ -193,7 +195,7 @@ class OrtBackend:
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self._checked(graph, feeds)
-        if self.graphs_on[graph] or self.static:
+        if self.graphs_on[graph] or (self.static and graph in STATIC_GRAPHS):
             self._replay(graph, feeds, outputs)
             return
         binding = self.sessions[graph].io_binding()
@@ -226,7 +228,8 @@ class OrtBackend:
         if slot is None:
             if len(self._slots) >= (MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS):
                 self._slots.pop(next(iter(self._slots)))  # the least recently created
-            session = self._static_session(graph, feeds) if self.static else self.sessions[graph]
+            static = self.static and graph in STATIC_GRAPHS
+            session = self._static_session(graph, feeds) if static else self.sessions[graph]
             binding = session.io_binding()
             static_feeds = {n: torch.empty_like(t) for n, t in feeds.items()}
             static_outputs = {n: torch.empty_like(t) for n, t in outputs.items()}
