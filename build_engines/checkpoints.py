@@ -67,6 +67,18 @@ NORM_NOISE = 0.1
 BIAS_STD = 0.02
 POS_EMBED_STD = 0.5  # the vision grid must move patches visibly
 A_RANGE = (0.01, 16.0)  # A_log = log(uniform(0.01, 16)), transformers' Qwen3.5 init
+# dt_bias = softplus⁻¹(dt), dt log-uniform in DT_RANGE: the Gated DeltaNet authors' form (FLA
+# `fla/layers/gated_deltanet.py`, after Mamba2: dt in [1e-3, 0.1]), narrowed to long memories, for
+# both presets. transformers' dt_bias = 1 is a placeholder for trained weights: with it the decay
+# g = -A·softplus(a + 1) is about -10 a token, so every head forgets at once and outputs one term
+# β(q̂·k̂)v/√dk of rms 1e-4…1e-2, around the gated RMSNorm's √eps = 1e-3; the norm turns the chunked
+# kernel's float32 rounding (in-chunk cumulative decays reach -600) into relative errors of 1e-4.
+# Measured, float32 branch vs plain forward (tests/test_reference.py, tiny, seed 0): 3.2e-4 on
+# final-norm hidden states with dt_bias = 1, 5.6e-6 with DT_RANGE (log-probs 1.1e-5 → 3.8e-6;
+# seeds 0-5 at most 7.8e-6 and 5.7e-6); FLA's full range still leaves heads decaying several nats
+# a token (seed 2: 5.7e-5). One layer at the 4b's shapes (dk 128: single-token outputs of 2e-3),
+# prefix then row vs one pass after the gated norm: 5.1e-5 with dt_bias = 1, 6.7e-6 with DT_RANGE.
+DT_RANGE = (1e-4, 1e-3)
 
 # Heads: the last Linear of each scorer has weights of std gain/√fan_in, chosen so that over
 # prepared requests the choice logits spread over about ±3 and the ordinal cut points straddle z
@@ -137,8 +149,8 @@ def base_init(name: str, shape: tuple[int, ...], config) -> tuple[float, float]:
     module = name.rsplit(".", 2)[-2]
     if name.endswith("embed_tokens.weight"):
         return 0.0, text.hidden_size**-0.5
-    if leaf == "dt_bias" or name.endswith("linear_attn.norm.weight"):
-        return 1.0, NORM_NOISE  # dt_bias init 1; the gated RMSNorm is not zero-centred
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0, NORM_NOISE  # the gated RMSNorm is not zero-centred
     if "norm" in module:
         zero_centred = "language_model" in name  # Qwen3_5RMSNorm computes x·(1 + w)
         if leaf == "bias":
@@ -159,11 +171,20 @@ def base_init(name: str, shape: tuple[int, ...], config) -> tuple[float, float]:
     return 0.0, std
 
 
+def dt_bias(shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:
+    """softplus⁻¹(dt) with dt log-uniform in DT_RANGE (see there), in float32."""
+    low, high = (math.log(x) for x in DT_RANGE)
+    dt = torch.empty(shape).uniform_(low, high, generator=tensor_generator(seed, name)).exp_()
+    return dt + torch.log(-torch.expm1(-dt))
+
+
 def base_tensor(name: str, shape: tuple[int, ...], config, seed: int) -> torch.Tensor:
     """One base tensor in BF16."""
     if name.endswith("A_log"):
         uniform = torch.empty(shape).uniform_(*A_RANGE, generator=tensor_generator(seed, name))
         return uniform.log_().to(torch.bfloat16)
+    if name.endswith("dt_bias"):
+        return dt_bias(shape, seed, name).to(torch.bfloat16)
     mean, std = base_init(name, shape, config)
     return normal(shape, mean, std, seed, name).to(torch.bfloat16)
 

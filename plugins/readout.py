@@ -33,7 +33,9 @@ def token_logprobs_std(
 ) -> torch.Tensor:
     """Standard ops: hidden_rows [M, D], embedding [V, D], tokens [M] → float32 [M]."""
     scores = logits(hidden_rows, embedding).float()
-    shifted = scores - scores.amax(dim=-1, keepdim=True)
+    # the row maximum through TopK(1): ONNX Runtime's CUDA ReduceMax over 248,079 columns takes
+    # cuDNN's generic reduce (H200, [1024, 248079]: ReduceMax 24.8 ms, TopK 0.8 ms); same value
+    shifted = scores - scores.topk(1, dim=-1).values
     total = shifted.exp().double().sum(dim=-1)
     picked = shifted.gather(1, tokens[:, None])[:, 0]
     return (picked.double() - total.log()).float()

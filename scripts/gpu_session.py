@@ -1,8 +1,9 @@
 """One whole GPU measurement per call (issue: runtime on the H200): build, check, time, report.
 
     python scripts/gpu_session.py tiny       # tiny checkpoint: CUDA parity, invariance, timing
-    python scripts/gpu_session.py build4b    # 4b checkpoint and its ONNX files under $WORK
+    python scripts/gpu_session.py build4b    # 4b checkpoint, its ONNX files, and the tiny run
     python scripts/gpu_session.py latency4b  # 4b latency (bf16 engines) with the reference beside
+    python scripts/gpu_session.py reference4b plain|fla  # (run by latency4b) the reference alone
     python scripts/gpu_session.py parity4b   # 4b parity (float32 engines) against the reference
 
 Results go to $OUT (JSON and a Markdown table); large artifacts to $WORK (default /tmp/omnijev),
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 WORK = Path(os.environ.get("WORK", "/tmp/omnijev"))
 OUT = Path(os.environ.get("OUT", "/tmp/omnijev-out"))
 DEVICE = os.environ.get("DEVICE", "cuda")  # cpu only to try the script without a GPU
+BIG = os.environ.get("PRESET", "4b")  # tiny only to try the script without a GPU
 
 
 def log(message: str) -> None:
@@ -72,8 +74,7 @@ class PeakMemory:
 
     def _poll(self):
         while self.running:
-            free, total = self.torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
+            self.peak = max(self.peak, device_used())
             time.sleep(0.001)
 
     def __exit__(self, *exc):
@@ -111,27 +112,38 @@ def build(preset: str, dtypes: tuple[str, ...], graphs_for: dict[str, tuple[str,
 
 
 def tiny() -> None:
+    """The tiny checkpoint in float32 on the GPU, in each configuration: parity with the float32
+    reference, invariance, and a short latency table."""
+    import gc
+
     from reference.mso1 import Reference
     from runtime import bench
     from runtime.executor import load_engine
 
     report = {"environment": environment(), "build": build("tiny", ("float32",), {})}
     export, engines = WORK / "tiny-export", WORK / "tiny-float32"
-    executor = load_engine(str(export), str(engines), "onnxruntime")
-    report["backend"] = executor.backend.name
     reference = Reference(export, dtype="float32", device=DEVICE)
-    parity = bench.parity(executor, reference, bench.question_sets())
-    report["parity"] = parity["summary"]
-    report["flips"] = parity["flips"]
-    log(bench.parity_table(parity))
-    report["invariance"] = invariance(executor)
-    report["latency"] = bench.latency(executor, None, runs=10)
-    log(bench.latency_table(report["latency"]))
-    save("tiny.json", report)
+    for name, settings in VARIANTS.items():
+        os.environ.update(settings)
+        executor = load_engine(str(export), str(engines), "onnxruntime")
+        parity = bench.parity(executor, reference, bench.question_sets())
+        report[name] = {
+            "backend": executor.backend.name,
+            "parity": parity["summary"],
+            "flips": parity["flips"],
+            "invariance": invariance(executor),
+            "latency": bench.latency(executor, None, runs=10),
+        }
+        log(f"tiny {name} ({executor.backend.name})\n" + bench.parity_table(parity))
+        log(bench.latency_table(report[name]["latency"]))
+        save("tiny.json", report)
+        del executor
+        gc.collect()
 
 
 def invariance(executor) -> dict:
-    """Each question alone, all together and reversed: identical answers, byte for byte."""
+    """Each question alone, all together and reversed: identical answers, byte for byte; where
+    not, the largest difference of any value of the answer."""
     from reference.questions import gate_questions, request_body, speed_bench_questions
     from runtime import bench
 
@@ -145,90 +157,248 @@ def invariance(executor) -> dict:
             for q, a in response["answers"].items()
         }
 
+    def gap(a: dict, b: dict) -> float:
+        return bench.largest_difference(a, b)
+
     together = answers(questions)
     backwards = answers(dict(reversed(list(questions.items()))))
-    differ = [
-        q for q in questions if json.dumps(answers({q: questions[q]})[q]) != json.dumps(together[q])
-    ]
-    differ_reversed = [q for q in questions if json.dumps(backwards[q]) != json.dumps(together[q])]
+    alone = {q: answers({q: questions[q]})[q] for q in questions}
+    differ = {q: gap(together[q], alone[q]) for q in questions if alone[q] != together[q]}
+    differ_reversed = {
+        q: gap(together[q], backwards[q]) for q in questions if backwards[q] != together[q]
+    }
     repeat = json.dumps(answers(questions)) == json.dumps(together)
     result = {"alone_differs": differ, "reversed_differs": differ_reversed, "repeatable": repeat}
     log(f"invariance: {result}")
     return result
 
 
+def invariance_bf16() -> None:
+    """The tiny checkpoint in BF16 on the GPU: invariance with one question per pass (the plan)
+    and with questions batched together (the plan before), in each backend configuration."""
+    import gc
+
+    import runtime.passes as passes
+    from runtime.executor import load_engine
+
+    report = {"environment": environment(), "build": build("tiny", ("bfloat16",), {})}
+    export, engines = WORK / "tiny-export", WORK / "tiny-bfloat16"
+    for name, settings in VARIANTS.items():
+        os.environ.update(settings)
+        for batch in (1, 16):
+            passes.QUESTION_BATCH = batch
+            executor = load_engine(str(export), str(engines), "onnxruntime")
+            executor.prefix_cache.size = 0
+            report[f"{name}, question batch {batch}"] = invariance(executor)
+            save("invariance_bf16.json", report)
+            del executor
+            gc.collect()
+    passes.QUESTION_BATCH = 1
+
+
 def build4b() -> None:
-    times = build("4b", ("bfloat16",), {})
+    """The 4b export, then its bfloat16 and float32 ONNX files and the tiny GPU run side by side
+    (each export is mostly one CPU thread; the machine has sixteen)."""
+    times = build(BIG, (), {})
+    started = time.perf_counter()
+    jobs = {
+        name: subprocess.Popen([sys.executable, "-u", __file__, *args])
+        for name, args in {
+            "onnx_bfloat16": ["onnx4b", "bfloat16"],
+            "onnx_float32": ["onnx4b", "float32"],
+            "tiny": ["tiny"],
+        }.items()
+        if not (BIG == "tiny" and name == "tiny")  # a dry run on the CPU builds tiny once
+    }
+    for name, job in jobs.items():
+        times[f"{name}_exit"] = job.wait()
+        times[f"{name}_done_s"] = time.perf_counter() - started
+        log(f"{name}: exit {times[f'{name}_exit']} after {times[f'{name}_done_s']:.0f} s")
     sizes = {
         p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e9
         for p in WORK.iterdir()
-        if p.name.startswith("4b")
+        if p.name.startswith(BIG)
     }
     save("build4b.json", {"environment": environment(), "times": times, "sizes_gb": sizes})
     log(json.dumps(sizes))
 
 
-def latency4b() -> None:
+def onnx4b() -> None:
+    dtype = sys.argv[2]
+    save(f"onnx4b-{dtype}.json", build(BIG, (dtype,), {}))
+
+
+# the configurations timed side by side: the default, then fixed-shape sessions (which let ONNX
+# Runtime fold the shape arithmetic) with CUDA graphs replayed per shape
+VARIANTS = {
+    "dynamic": {"OMNIJEV_STATIC_SHAPES": "0", "OMNIJEV_CUDA_GRAPHS": "0"},
+    "static+graphs": {"OMNIJEV_STATIC_SHAPES": "1", "OMNIJEV_CUDA_GRAPHS": "1"},
+}
+
+
+def device_used() -> int:
     import torch
 
-    from reference.mso1 import Reference
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def speed_bench_request() -> bytes:
+    from reference.questions import speed_bench_questions
+    from runtime import bench
+
+    image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, 1), "PNG")
+    return bench.body(image, "image/png", speed_bench_questions(12))
+
+
+def time_variant(name: str, settings: dict, export: Path, engines: Path, runs: int) -> dict:
+    """Load, warm up and time one configuration; its answers, peak memory and invariance."""
+    import gc
+
+    import torch
+
     from runtime import bench
     from runtime.executor import load_engine
 
-    export, engines = WORK / "4b-export", WORK / "4b-bfloat16"
+    os.environ.update(settings)
+    before = device_used()
     start = time.perf_counter()
     executor = load_engine(str(export), str(engines), "onnxruntime")
+    loaded = time.perf_counter() - start
     executor.answer(json.dumps(executor.warm_up_request()).encode())
     cold = time.perf_counter() - start
-    log(f"cold start {cold:.1f} s, backend {executor.backend.name}")
-    runs = int(os.environ.get("RUNS", "20"))
-    rows = bench.latency(executor, None, runs=runs)
-    with PeakMemory() as peak:
-        executor.answer(
-            bench.body(
-                bench.encode(bench.screen_image(1600, 900, 1), "PNG"),
-                "image/png",
-                bench.choice_with(255),
-            )
-        )
-    report = {
-        "environment": environment(),
-        "backend": executor.backend.name,
+    backend = executor.backend
+    result = {
+        "settings": settings,
+        "backend": backend.name,
+        "load_s": loaded,
         "cold_start_s": cold,
-        "peak_device_bytes_255": peak.peak,
+        "shared_weight_bytes": backend.weights.nbytes,
+        "device_bytes_after_load": device_used() - before,
     }
-    del executor
+    resident = result["device_bytes_after_load"] / 2**30
+    log(f"{name}: cold start {cold:.1f} s ({backend.name}), {resident:.1f} GiB after load")
+    result["rows"] = bench.latency(executor, None, runs=runs)
+    result["static_graphs_on"] = dict(backend.static_graphs_on)
+    result["sessions"] = len(backend._slots)
+    log(f"{name}\n" + bench.latency_table(result["rows"]))
+    with PeakMemory() as peak:
+        image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, 1), "PNG")
+        executor.answer(bench.body(image, "image/png", bench.choice_with(255)))
+    result["peak_device_bytes_255"] = peak.peak - before
+    answers = executor.answer(speed_bench_request())["answers"]
+    result["speed_bench_answers"] = {
+        q: {k: v for k, v in a.items() if not k.startswith("latency")} for q, a in answers.items()
+    }
+    result["invariance"] = invariance(executor)
+    del executor, backend
+    gc.collect()
     torch.cuda.empty_cache()
-    reference = Reference(export, dtype="bfloat16", device=DEVICE)
-    image = bench.encode(bench.screen_image(1600, 900, 1), "PNG")
-    for row, (_, questions) in zip(rows, bench.workloads().items(), strict=True):
-        theirs = bench.time_runs(reference.answer, bench.body(image, "image/png", questions), 5)
-        row["reference_median_ms"] = 1e3 * sorted(theirs)[len(theirs) // 2]
-        row["speedup"] = row["reference_median_ms"] / row["median_ms"]
-    report["rows"] = rows
-    table = bench.latency_table(rows)
+    return result
+
+
+def latency4b() -> None:
+    export, engines = WORK / f"{BIG}-export", WORK / f"{BIG}-bfloat16"
+    runs = int(os.environ.get("RUNS", "20"))
+    report = {"environment": environment(), "variants": {}}
+    for name, settings in VARIANTS.items():
+        try:
+            report["variants"][name] = time_variant(name, settings, export, engines, runs)
+        except Exception as error:  # keep what the other variant measured
+            log(f"{name} failed: {error!r}")
+            report["variants"][name] = {"error": repr(error)}
+        save("latency4b.json", report)
+    answers = [v.get("speed_bench_answers") for v in report["variants"].values()]
+    report["variants_answer_alike"] = len({json.dumps(a, sort_keys=True) for a in answers}) == 1
     save("latency4b.json", report)
-    save("latency4b.md", table)
-    log(f"peak device memory, 255 options: {peak.peak / 2**30:.1f} GiB")
-    log(table)
+    for name in ("plain", "fla"):
+        started = time.perf_counter()
+        env = dict(os.environ)
+        if name == "fla":  # transformers' fast Gated DeltaNet kernels, when importable
+            env["PYTHONPATH"] = env.get("PYTHONPATH", "") + ":" + os.environ.get("FLA", "")
+        code = subprocess.run(
+            [sys.executable, "-u", __file__, "reference4b", name], env=env, timeout=400
+        ).returncode
+        log(f"reference {name}: exit {code} in {time.perf_counter() - started:.0f} s")
+    summary(report)
+
+
+def reference4b() -> None:
+    """The reference in bfloat16 on the same GPU: each workload, and its speed-bench answer."""
+    import importlib.util
+
+    from reference.mso1 import Reference
+    from runtime import bench
+
+    name = sys.argv[2]
+    runs = int(os.environ.get("REF_RUNS", "5"))
+    start = time.perf_counter()
+    reference = Reference(WORK / f"{BIG}-export", dtype="bfloat16", device=DEVICE)
+    report = {
+        "fla_importable": importlib.util.find_spec("fla") is not None,
+        "load_s": time.perf_counter() - start,
+        "runs": runs,
+        "rows": {},
+    }
+    report["speed_bench_response"] = reference.answer(speed_bench_request())
+    save(f"reference4b-{name}.json", report)
+    image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, 1), "PNG")
+    for workload, questions in bench.workloads().items():
+        times = bench.time_runs(reference.answer, bench.body(image, "image/png", questions), runs)
+        report["rows"][workload] = {
+            "median_ms": 1e3 * sorted(times)[len(times) // 2],
+            "runs_ms": [1e3 * t for t in times],
+        }
+        log(f"reference {name} {workload}: {report['rows'][workload]['median_ms']:.0f} ms")
+        save(f"reference4b-{name}.json", report)
+
+
+def summary(report: dict) -> None:
+    """The latency table of each variant with the plain reference's medians beside."""
+    from runtime import bench
+
+    reference = OUT / "reference4b-plain.json"
+    theirs = json.loads(reference.read_text())["rows"] if reference.exists() else {}
+    text = []
+    for name, variant in report["variants"].items():
+        if "rows" not in variant:
+            continue
+        for row in variant["rows"]:
+            ref = theirs.get(row["workload"])
+            if ref:
+                row["reference_median_ms"] = ref["median_ms"]
+                row["speedup"] = ref["median_ms"] / row["median_ms"]
+        text.append(
+            f"### {name} ({variant['backend']}), cold start {variant['cold_start_s']:.1f} s, "
+            f"peak device memory for 255 options {variant['peak_device_bytes_255'] / 2**30:.1f} GiB"
+        )
+        text.append(bench.latency_table(variant["rows"]))
+    save("latency4b.json", report)
+    save("latency4b.md", "\n\n".join(text))
+    log("\n\n".join(text))
 
 
 def parity4b() -> None:
+    """The 4b checkpoint in float32: engines against the float32 reference over four images."""
     from reference.mso1 import Reference
     from runtime import bench
     from runtime.executor import load_engine
 
-    times = build("4b", ("float32",), {})
-    export, engines = WORK / "4b-export", WORK / "4b-float32"
+    times = build(BIG, ("float32",), {})
+    export, engines = WORK / f"{BIG}-export", WORK / f"{BIG}-float32"
     executor = load_engine(str(export), str(engines), "onnxruntime")
     reference = Reference(export, dtype="float32", device=DEVICE)
+    save("reference4b-float32-speed-bench.json", reference.answer(speed_bench_request()))
     report = bench.parity(executor, reference, bench.question_sets())
-    report["build"] = times
-    report["backend"] = executor.backend.name
+    report.update(build=times, backend=executor.backend.name, environment=environment())
     save("parity4b.json", report)
     save("parity4b.md", bench.parity_table(report))
     log(bench.parity_table(report))
 
 
 if __name__ == "__main__":
-    {"tiny": tiny, "build4b": build4b, "latency4b": latency4b, "parity4b": parity4b}[sys.argv[1]]()
+    modes = {"tiny": tiny, "build4b": build4b, "latency4b": latency4b, "parity4b": parity4b}
+    modes.update(reference4b=reference4b, onnx4b=onnx4b, invariance_bf16=invariance_bf16)
+    modes[sys.argv[1]]()

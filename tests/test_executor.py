@@ -177,9 +177,14 @@ def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypa
     monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
     static = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
     assert static.backend.static
+    static.prefix_cache.size = 0  # the image must go through vision again
     image, mime = IMAGES["pattern.png"]
     body = request_body(image, speed_bench_questions(6), mime)
-    assert json.dumps(without_latency(static.answer(body))) == json.dumps(
-        without_latency(executor.answer(body))
-    )
-    assert static.backend._slots  # the passes really ran through fixed-shape sessions
+    expected = json.dumps(without_latency(executor.answer(body)))
+    assert json.dumps(without_latency(static.answer(body))) == expected
+    graphs = {graph for graph, _ in static.backend._slots}
+    assert graphs == {"lm_state", "lm_rows"}  # the passes really ran through fixed sessions
+    # the image size has now come back: its vision pass gets a fixed session too
+    assert json.dumps(without_latency(static.answer(body))) == expected
+    assert "vision" in {graph for graph, _ in static.backend._slots}
+    assert static.backend.name == "onnxruntime-cpu+static"

@@ -31,18 +31,29 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "reference"
 IMAGE = pattern_png(320, 224)  # smart resize keeps 320×224: grid [1, 14, 20], 70 image tokens
 EXACT = 1e-5  # branch against plain when the recurrence is computed exactly (float64)
-# transformers' chunked gated delta rule runs in float32 in chunks of 64 counted from the start
-# of each pass, so a branch (prefix pass, then the row) and a plain pass round differently. On
-# this checkpoint both land about 1e-4 from an exact float64 recurrence (measured: up to 6e-4 on
-# hidden states of magnitude 3); a wrong cache, position or mask moves them by 1e-2 and more.
-FLOAT32_HIDDEN = 1e-3
-FLOAT32_LOGPROB = 1e-4
+# Issue #3: branch against plain within 1e-5 in float32 as well, on final-norm hidden states and
+# log-probabilities. The passes round differently (other shapes; transformers' chunked gated delta
+# rule counts its chunks of 64 from the start of each pass). Measured on this checkpoint (speed
+# bench; gate): 5.6e-6, 5.4e-6 on hidden states of magnitude up to 4 (float32 spacing 4.8e-7
+# there); 3.8e-6 on log-probs near -12 (4 spacings). Seeds 0-5: at most 7.8e-6 and 5.7e-6. That
+# needs the synthetic decay init (build_engines/checkpoints.py DT_RANGE): with transformers'
+# dt_bias = 1 every Gated DeltaNet head forgets each token at once and these were 3.2e-4 and
+# 1.1e-5. Broken branches land far away: rows one position late 0.10, the recurrent state 0.1 %
+# off 1.0e-2, the recurrent state dropped 4.7.
+FLOAT32 = 1e-5
 ORDER = 1e-6  # answers when only the question order changes
 # Answer fields in the order of contract.md §3.
 FIELDS = {
     "noul": ["noul", "latency_s", "latency_total_s"],
-    "choice": ["choice", "probabilities", "abstain", "valid", "confidence", "latency_s",
-               "latency_total_s"],
+    "choice": [
+        "choice",
+        "probabilities",
+        "abstain",
+        "valid",
+        "confidence",
+        "latency_s",
+        "latency_total_s",
+    ],
     "score": ["score", "probabilities", "confidence", "latency_s", "latency_total_s"],
 }
 SETS = {"speed_bench": speed_bench_questions(), "gate": gate_questions()}
@@ -72,17 +83,25 @@ def reference(export_dir) -> Reference:
 def exact_reference(reference) -> Reference:
     """The same model in float64; tests pair it with `exact_gated_delta_rule`."""
     model = copy.deepcopy(reference.model).double()
-    return Reference.from_parts(model, reference.heads, reference.calibration,
-                                reference.tokenizer)
+    return Reference.from_parts(model, reference.heads, reference.calibration, reference.tokenizer)
 
 
 def prepared_of(reference: Reference, questions: dict[str, dict]):
-    return prepare(compile_request(parse_body(request_body(IMAGE, questions))),
-                   reference.tokenizer)
+    return prepare(compile_request(parse_body(request_body(IMAGE, questions))), reference.tokenizer)
 
 
-def exact_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                           output_final_state=False, use_qk_l2norm_in_kernel=False, **_):
+def exact_gated_delta_rule(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size=64,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    **_,
+):
     """The gated delta rule token by token in float64 (model.md §3): an oracle without the
     float32 chunk arithmetic of transformers' kernel, so that only the branch logic is compared."""
     q, k, v, b, decay = (x.transpose(1, 2).double() for x in (query, key, value, beta, g))
@@ -91,8 +110,11 @@ def exact_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     q = q * q.shape[-1] ** -0.5
     batch, heads, steps, k_dim = k.shape
-    state = (torch.zeros(batch, heads, k_dim, v.shape[-1], dtype=torch.float64)
-             if initial_state is None else initial_state.double())
+    state = (
+        torch.zeros(batch, heads, k_dim, v.shape[-1], dtype=torch.float64)
+        if initial_state is None
+        else initial_state.double()
+    )
     out = torch.empty(batch, heads, steps, v.shape[-1], dtype=torch.float64)
     decay = decay.exp()
     for t in range(steps):
@@ -121,7 +143,8 @@ def largest_differences(ours: list[QuestionReadout], theirs: list[QuestionReadou
 
 def read_counts(readouts: list[QuestionReadout]) -> int:
     return sum(p.size for r in readouts for p in r.picked) + sum(
-        f is not None for r in readouts for f in r.first)
+        f is not None for r in readouts for f in r.first
+    )
 
 
 # -- layout -----------------------------------------------------------------------------------
@@ -145,15 +168,18 @@ def test_layout_equals_the_reference_fixture(case):
     assert layout.prefix_length == case["prefix_length"]
     assert layout.input_tokens == case["input_tokens"]
     for rows, question in zip(layout.rows, case["questions"], strict=True):
-        expected = [(r["tokens"], r["zq"], r["u"], r["targets"], r["first"])
-                    for r in question["rows"]]
+        expected = [
+            (r["tokens"], r["zq"], r["u"], r["targets"], r["first"]) for r in question["rows"]
+        ]
         got = [(list(r.tokens), r.zq, r.u, [list(t) for t in r.targets], r.first) for r in rows]
         assert got == expected
 
 
-@pytest.mark.parametrize("questions", [SETS["speed_bench"], SETS["gate"],
-                                       {"q": speed_bench_questions(1)["q0"]}],
-                         ids=["speed_bench", "gate", "single"])
+@pytest.mark.parametrize(
+    "questions",
+    [SETS["speed_bench"], SETS["gate"], {"q": speed_bench_questions(1)["q0"]}],
+    ids=["speed_bench", "gate", "single"],
+)
 def test_layout_and_input_tokens_equal_explain(reference, questions):
     body = request_body(IMAGE, questions)
     explained = explain(body, reference.tokenizer)
@@ -162,8 +188,16 @@ def test_layout_and_input_tokens_equal_explain(reference, questions):
     assert layout.prefix_length == explained["prefix_length"]
     assert layout.input_tokens == explained["input_tokens"]
     for rows, question in zip(layout.rows, explained["questions"], strict=True):
-        got = [{"tokens": list(r.tokens), "zq": r.zq, "u": r.u,
-                "targets": [list(t) for t in r.targets], "first": r.first} for r in rows]
+        got = [
+            {
+                "tokens": list(r.tokens),
+                "zq": r.zq,
+                "u": r.u,
+                "targets": [list(t) for t in r.targets],
+                "first": r.first,
+            }
+            for r in rows
+        ]
         assert got == question["rows"]
     # The prefix positions MSO1 computes, and the rows continuing at p0, are preparation's.
     length = layout.prefix_length
@@ -174,8 +208,10 @@ def test_layout_and_input_tokens_equal_explain(reference, questions):
     for question_layout, rows in zip(prepared.layouts, layout.rows, strict=True):
         np.testing.assert_array_equal(question_layout.positions[:, :length], positions)
         head = question_layout.opens[0] - length
-        np.testing.assert_array_equal(question_layout.positions[:, length:length + head],
-                                      np.tile(np.arange(p0, p0 + head), (3, 1)))
+        np.testing.assert_array_equal(
+            question_layout.positions[:, length : length + head],
+            np.tile(np.arange(p0, p0 + head), (3, 1)),
+        )
         assert len(rows[0].tokens) >= head + 2
 
 
@@ -196,8 +232,9 @@ def test_expand_cache_repeats_every_state_and_keeps_the_prefix(reference):
     layout = reference.layout(prepared)
     rows = [row for question in layout.rows for row in question]
     with torch.no_grad():
-        cache0, p0 = reference._prefix_pass(prepared.layouts[0].token_ids[:layout.prefix_length],
-                                            prepared.image)
+        cache0, p0 = reference._prefix_pass(
+            prepared.layouts[0].token_ids[: layout.prefix_length], prepared.image
+        )
         before = [t.clone() for t in cache_tensors(cache0)]
         kinds = {type(layer).__name__ for layer in cache0.layers}
         assert kinds == {"LinearAttentionLayer", "DynamicLayer"}  # both state kinds exercised
@@ -233,11 +270,11 @@ def test_branch_equals_plain_forward_in_float32(reference, name):
     prepared = prepared_of(reference, SETS[name])
     branch = reference.readouts(prepared)
     plain = reference.plain_readouts(prepared)
+    assert read_counts(branch) > len(branch)  # option-text log-probs were compared too
     differences = largest_differences(branch, plain)
-    assert differences["hidden"] <= FLOAT32_HIDDEN, differences
-    assert differences["logprob"] <= FLOAT32_LOGPROB, differences
+    assert differences["hidden"] <= FLOAT32 and differences["logprob"] <= FLOAT32, differences
     # Not vacuous: the questions' states differ far more than the tolerance.
-    assert float(np.abs(branch[0].zq - branch[1].zq).max()) > 100 * FLOAT32_HIDDEN
+    assert float(np.abs(branch[0].zq - branch[1].zq).max()) > 1e4 * FLOAT32
 
 
 def test_chunking_changes_no_readout(exact_reference, monkeypatch):
@@ -281,8 +318,9 @@ def test_answer_follows_the_contract(reference):
 
 
 def decisions(answers: dict) -> dict:
-    return {qid: a.get("choice", a.get("score", a.get("noul", 0) > 0.5))
-            for qid, a in answers.items()}
+    return {
+        qid: a.get("choice", a.get("score", a.get("noul", 0) > 0.5)) for qid, a in answers.items()
+    }
 
 
 def probabilities(answer: dict) -> dict:
@@ -311,8 +349,15 @@ def test_cli_prints_a_valid_response(export_dir, reference, tmp_path):
     questions = {qid: SETS["gate"][qid] for qid in ("one_token", "score10", "noul_region")}
     request = tmp_path / "request.json"
     request.write_bytes(request_body(IMAGE, questions))
-    command = [sys.executable, "-m", "runtime.cli", "reference", str(request),
-               "--checkpoint", str(export_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "runtime.cli",
+        "reference",
+        str(request),
+        "--checkpoint",
+        str(export_dir),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

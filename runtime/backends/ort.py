@@ -2,18 +2,22 @@
 
 On CUDA, every tensor stays on the device between passes (states never travel to the host);
 with CUDA graphs each distinct set of shapes gets its own `gpu_graph_id` and its own persistent
-buffers, captured on first use and replayed afterwards (engines.md §7.3).
+buffers, captured on first use and replayed afterwards (engines.md §7.3). The weights are read
+once and handed to every session (`add_initializer`), so sessions share one copy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 
@@ -23,8 +27,15 @@ ONNX_DIR = "onnx_ort"  # the ONNX Runtime variant inside an engine directory
 GRAPHS = ("vision", "lm_state", "lm_rows")
 MAX_CUDA_GRAPHS = 64  # shape signatures kept; each holds its own buffers
 MAX_STATIC_SESSIONS = 12  # static-shape sessions kept; each holds its own copy of the weights
-# the vision graph's size follows the image (a full-attention tower cannot be padded): dynamic
+# the language-model passes are bucketed (runtime.passes), so their shapes repeat at once
 STATIC_GRAPHS = ("lm_state", "lm_rows")
+# the vision graph's size follows the image (a full-attention tower cannot be padded): a size
+# gets its own session only once it has come back, so one-off sizes cost no session build
+REPEATED_GRAPHS = ("vision",)
+REPEATS_BEFORE_STATIC = 2
+# initializers at least this large are read once and shared by every session; small constants
+# stay in the graphs, where ONNX Runtime folds them and places shape arithmetic
+SHARED_BYTES = 1 << 20
 BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32,
@@ -40,6 +51,15 @@ TORCH_TO_NUMPY = {
     torch.int64: np.int64,
     torch.int32: np.int32,
     torch.bool: np.bool_,
+}
+
+
+ONNX_TO_TORCH = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32,
 }
 
 
@@ -81,6 +101,90 @@ def bind(binding: ort.IOBinding, name: str, tensor: torch.Tensor, output: bool) 
         list(tensor.shape),
         tensor.data_ptr(),
     )
+
+
+def external_fields(initializer: onnx.TensorProto) -> dict[str, str]:
+    return {entry.key: entry.value for entry in initializer.external_data}
+
+
+def initializer_bytes(initializer: onnx.TensorProto, folder: Path) -> tuple[tuple, np.ndarray]:
+    """(sharing key, raw bytes) of one initializer: external data is read from its file."""
+    if initializer.data_location == onnx.TensorProto.EXTERNAL:
+        fields = external_fields(initializer)
+        path = folder / fields["location"]
+        offset, length = int(fields.get("offset", 0)), int(fields["length"])
+        raw = np.fromfile(path, dtype=np.uint8, count=length, offset=offset)
+        return (str(path.resolve()), offset, length), raw
+    raw = np.frombuffer(initializer.raw_data, dtype=np.uint8)
+    # graphs derived from one another carry the same inline weights: share them by content
+    return ("inline", hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()), raw
+
+
+def shareable(initializer: onnx.TensorProto) -> bool:
+    if initializer.data_type not in ONNX_TO_TORCH:
+        return False
+    if initializer.data_location == onnx.TensorProto.EXTERNAL:
+        return int(external_fields(initializer)["length"]) >= SHARED_BYTES
+    return len(initializer.raw_data) >= SHARED_BYTES
+
+
+class DeviceBytes:
+    """A byte view of device memory that torch can wrap (the CUDA array interface)."""
+
+    def __init__(self, pointer: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 3,
+        }
+
+
+class SharedWeights:
+    """The graphs' large initializers, read once onto the backend's device and given to every
+    session through `SessionOptions.add_initializer`, which uses a value in place when it already
+    sits where the session plans it: one copy of the weights however many sessions exist."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tensors: dict[tuple, torch.Tensor] = {}  # owners of the memory the values point at
+        self.values: dict[tuple, ort.OrtValue] = {}
+        self.graphs: dict[str, list[tuple[str, tuple]]] = {}
+
+    def load(self, path: str) -> list[tuple[str, tuple]]:
+        """The (name, key) pairs of one graph's shared initializers, reading new ones."""
+        if path in self.graphs:
+            return self.graphs[path]
+        folder = Path(path).parent
+        model = onnx.load(path, load_external_data=False)
+        named = []
+        for initializer in model.graph.initializer:
+            if not shareable(initializer):
+                continue
+            key, raw = initializer_bytes(initializer, folder)
+            if key not in self.values:
+                self.tensors[key], self.values[key] = self.value(initializer, raw)
+            named.append((initializer.name, key))
+        self.graphs[path] = named
+        return named
+
+    def value(self, initializer: onnx.TensorProto, raw: np.ndarray):
+        """(owner of the memory, OrtValue) for one initializer on the backend's device."""
+        host = torch.from_numpy(raw.copy())
+        dtype = ONNX_TO_TORCH[initializer.data_type]
+        # add_initializer takes only memory the caller owns: torch's, wrapped without a copy
+        tensor = host.view(dtype).reshape(tuple(initializer.dims)).to(self.device)
+        return tensor, ort.OrtValue.from_dlpack(tensor)
+
+    def add_to(self, options: ort.SessionOptions, path: str) -> None:
+        if os.environ.get("OMNIJEV_SHARE_WEIGHTS", "1") == "0":
+            return  # each session reads its own copy from the files
+        for name, key in self.load(path):
+            options.add_initializer(name, self.values[key])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 @dataclass
@@ -127,8 +231,11 @@ class OrtBackend:
         self.static = os.environ.get("OMNIJEV_STATIC_SHAPES", "0") == "1"
         self._paths = {graph: str(folder / f"{graph}.onnx") for graph in GRAPHS}
         self._threads, self._cuda_graphs = threads, cuda_graphs
+        self.weights = SharedWeights(self.device)
+        self._seen: Counter = Counter()
         self.sessions: dict[str, ort.InferenceSession] = {}
         self.graphs_on: dict[str, bool] = {}
+        self.static_graphs_on: dict[str, bool] = {}  # whether every fixed session took graphs
         for graph in GRAPHS:
             path = folder / f"{graph}.onnx"
             if graph == "lm_rows" and not path.exists():
@@ -136,15 +243,21 @@ class OrtBackend:
             self.sessions[graph], self.graphs_on[graph] = self._session(
                 str(path), threads, cuda_graphs
             )
-        self.name = f"onnxruntime-{self.device.type}" + (
-            "+graphs" if any(self.graphs_on.values()) else ""
-        )
         self._dtypes = {
             graph: {i.name: ORT_TO_TORCH[i.type] for i in s.get_inputs()}
             for graph, s in self.sessions.items()
         }
         self._slots: dict[tuple, GraphSlot] = {}
         self._graph_ids = 0
+
+    @property
+    def name(self) -> str:
+        graphs = any(self.graphs_on.values()) or any(self.static_graphs_on.values())
+        return (
+            f"onnxruntime-{self.device.type}"
+            + ("+static" if self.static else "")
+            + ("+graphs" if graphs else "")
+        )
 
     def _providers(self, graphs: bool) -> list:
         if self.device.type != "cuda":
@@ -158,18 +271,23 @@ class OrtBackend:
             options["enable_cuda_graph"] = "1"
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
-    def _session(self, path: str, threads: int | None, graphs: bool):
+    def _options(self, path: str, fixed: dict[str, int] | None = None) -> ort.SessionOptions:
+        options = session_options(self._threads)
+        for dim, size in (fixed or {}).items():
+            options.add_free_dimension_override_by_name(dim, int(size))
+        self.weights.add_to(options, path)
+        return options
+
+    def _session(self, path: str, threads: int | None, graphs: bool, fixed: dict | None = None):
         """A CUDA-graph session when the whole graph runs on the GPU, else a plain one."""
         if graphs and self.device.type == "cuda":
             try:
-                options = session_options(threads)
+                options = self._options(path, fixed)
                 return ort.InferenceSession(path, options, providers=self._providers(True)), True
             except Exception as error:  # ORT refuses graphs when a node falls back to the CPU
                 log.warning("cuda graphs off for %s: %s", Path(path).name, error)
-        session = ort.InferenceSession(
-            path, session_options(threads), providers=self._providers(False)
-        )
-        return session, False
+        options = self._options(path, fixed)
+        return ort.InferenceSession(path, options, providers=self._providers(False)), False
 
     def has_graph(self, graph: str) -> bool:
         return graph in self.sessions
@@ -191,12 +309,25 @@ class OrtBackend:
             used[name] = tensor.contiguous()
         return used
 
+    def _fixed(self, graph: str, feeds: dict[str, torch.Tensor]) -> bool:
+        """Whether this pass runs in a session with its dimensions fixed."""
+        if not self.static:
+            return False
+        if graph in STATIC_GRAPHS:
+            return True
+        if graph in REPEATED_GRAPHS:
+            key = (graph, tuple((n, tuple(t.shape)) for n, t in sorted(feeds.items())))
+            self._seen[key] += 1
+            return self._seen[key] >= REPEATS_BEFORE_STATIC
+        return False
+
     def run(
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self._checked(graph, feeds)
-        if self.graphs_on[graph] or (self.static and graph in STATIC_GRAPHS):
-            self._replay(graph, feeds, outputs)
+        fixed = self._fixed(graph, feeds)
+        if self.graphs_on[graph] or fixed:
+            self._replay(graph, feeds, outputs, fixed)
             return
         binding = self.sessions[graph].io_binding()
         for name, tensor in feeds.items():
@@ -209,7 +340,6 @@ class OrtBackend:
 
     def _static_session(self, graph: str, feeds: dict[str, torch.Tensor]) -> ort.InferenceSession:
         """A session whose named dimensions are fixed to these feeds' sizes."""
-        options = session_options(self._threads)
         fixed = {}
         for spec in self.sessions[graph].get_inputs():
             if spec.name not in feeds:
@@ -217,19 +347,18 @@ class OrtBackend:
             for dim, size in zip(spec.shape, feeds[spec.name].shape, strict=True):
                 if isinstance(dim, str) and fixed.setdefault(dim, size) != size:
                     raise ValueError(f"{graph}: dimension {dim} is both {fixed[dim]} and {size}")
-        for dim, size in fixed.items():
-            options.add_free_dimension_override_by_name(dim, int(size))
-        graphs = self._cuda_graphs and self.device.type == "cuda"
-        return ort.InferenceSession(self._paths[graph], options, providers=self._providers(graphs))
+        session, graphs = self._session(self._paths[graph], self._threads, self._cuda_graphs, fixed)
+        log.info("%s: static session %s, cuda graphs %s", graph, fixed, graphs)
+        self.static_graphs_on[graph] = self.static_graphs_on.get(graph, True) and graphs
+        return session
 
-    def _slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot:
+    def _slot(self, graph: str, feeds: dict, outputs: dict, fixed: bool) -> GraphSlot:
         key = (graph, signature(feeds, outputs))
         slot = self._slots.get(key)
         if slot is None:
             if len(self._slots) >= (MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS):
                 self._slots.pop(next(iter(self._slots)))  # the least recently created
-            static = self.static and graph in STATIC_GRAPHS
-            session = self._static_session(graph, feeds) if static else self.sessions[graph]
+            session = self._static_session(graph, feeds) if fixed else self.sessions[graph]
             binding = session.io_binding()
             static_feeds = {n: torch.empty_like(t) for n, t in feeds.items()}
             static_outputs = {n: torch.empty_like(t) for n, t in outputs.items()}
@@ -245,8 +374,8 @@ class OrtBackend:
             self._slots[key] = slot
         return slot
 
-    def _replay(self, graph: str, feeds: dict, outputs: dict) -> None:
-        slot = self._slot(graph, feeds, outputs)
+    def _replay(self, graph: str, feeds: dict, outputs: dict, fixed: bool) -> None:
+        slot = self._slot(graph, feeds, outputs, fixed)
         for name, tensor in feeds.items():
             slot.feeds[name].copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
