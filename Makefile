@@ -20,10 +20,12 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 checkpoint: venv
 	$(OMNIJEV) checkpoint --preset tiny --seed 0 --out $(CHECKPOINT)

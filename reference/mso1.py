@@ -80,27 +80,31 @@ def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
     return length
 
 
-def rows_from_ids(ids: Sequence[int], prefix_length: int, opens: Sequence[int],
-                  closes: Sequence[int]) -> tuple[Row, ...]:
+def rows_from_ids(
+    ids: Sequence[int], prefix_length: int, opens: Sequence[int], closes: Sequence[int]
+) -> tuple[Row, ...]:
     """Row k = the question's rest after the prefix + option block k (`rows_from_ids`)."""
-    head = tuple(ids[prefix_length:opens[0]])
+    head = tuple(ids[prefix_length : opens[0]])
     rows = []
     for open_at, close_at in zip(opens, closes, strict=True):
-        tokens = head + tuple(ids[open_at:close_at + 1])
+        tokens = head + tuple(ids[open_at : close_at + 1])
         last = len(tokens) - 1
         text = range(len(head) + 1, last)  # option-text tokens, each predicted from the one before
-        rows.append(Row(
-            tokens=tokens,
-            zq=len(head) - 1,
-            u=last,
-            targets=tuple((t - 1, tokens[t]) for t in text),
-            first=tokens[text.start] if len(text) else None,
-        ))
+        rows.append(
+            Row(
+                tokens=tokens,
+                zq=len(head) - 1,
+                u=last,
+                targets=tuple((t - 1, tokens[t]) for t in text),
+                first=tokens[text.start] if len(text) else None,
+            )
+        )
     return tuple(rows)
 
 
-def branch_layout(sequences: Sequence[Sequence[int]],
-                  option_counts: Sequence[int] | None = None) -> BranchLayout:
+def branch_layout(
+    sequences: Sequence[Sequence[int]], option_counts: Sequence[int] | None = None
+) -> BranchLayout:
     """`ask_branch`'s `L` and rows: the common prefix, stopped one token before the first `<|opt|>`
     of any question so that every row keeps the token where `zq` is read."""
     spans = [marker_spans(ids) for ids in sequences]
@@ -110,8 +114,10 @@ def branch_layout(sequences: Sequence[Sequence[int]],
             raise ContractError(MARKER_ERROR)
     length = common_prefix_length(sequences)
     length = max(1, min([length] + [opens[0] - 1 for opens, _ in spans]))
-    rows = tuple(rows_from_ids(ids, length, opens, closes)
-                 for ids, (opens, closes) in zip(sequences, spans, strict=True))
+    rows = tuple(
+        rows_from_ids(ids, length, opens, closes)
+        for ids, (opens, closes) in zip(sequences, spans, strict=True)
+    )
     return BranchLayout(prefix_length=length, rows=rows)
 
 
@@ -175,20 +181,25 @@ class RowReadout:
     first: float | None
 
 
-def token_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor,
-                   tokens: Sequence[int]) -> torch.Tensor:
+def token_logprobs(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, tokens: Sequence[int]
+) -> torch.Tensor:
     """`log_softmax(lm_head(h).float())[token]` for each hidden row [M, D] and its token."""
     index = torch.tensor(list(tokens), dtype=torch.long, device=hidden.device)
     values = []
     for start in range(0, hidden.shape[0], LOGIT_ROWS):
-        logits = lm_head(hidden[start:start + LOGIT_ROWS]).float()
-        picked = index[start:start + LOGIT_ROWS, None]
+        logits = lm_head(hidden[start : start + LOGIT_ROWS]).float()
+        picked = index[start : start + LOGIT_ROWS, None]
         values.append(torch.log_softmax(logits, dim=-1).gather(1, picked)[:, 0])
     return torch.cat(values)
 
 
-def read_rows(lm_head: torch.nn.Module, hidden: Sequence[torch.Tensor], rows: Sequence[Row],
-              with_logprobs: Sequence[bool]) -> list[RowReadout]:
+def read_rows(
+    lm_head: torch.nn.Module,
+    hidden: Sequence[torch.Tensor],
+    rows: Sequence[Row],
+    with_logprobs: Sequence[bool],
+) -> list[RowReadout]:
     """Readouts of rows from their final-norm hidden states (`hidden[i]`: [≥ len(row i), D]).
 
     Each option-text token is read at the position before it; the first one also at `zq`, as if
@@ -213,8 +224,12 @@ def read_rows(lm_head: torch.nn.Module, hidden: Sequence[torch.Tensor], rows: Se
         else:
             picked[index].append(value)
     return [
-        RowReadout(zq=hidden[i][row.zq].float(), u=hidden[i][row.u].float(),
-                   picked=np.asarray(picked[i], dtype=np.float32), first=first[i])
+        RowReadout(
+            zq=hidden[i][row.zq].float(),
+            u=hidden[i][row.u].float(),
+            picked=np.asarray(picked[i], dtype=np.float32),
+            first=first[i],
+        )
         for i, row in enumerate(rows)
     ]
 
@@ -254,8 +269,12 @@ def _disable_tf32() -> None:
 class Reference:
     """MSO1's branch path over one export: `answer(body)` returns the response JSON object."""
 
-    def __init__(self, export_dir: str | Path, dtype: str = "float32",
-                 device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        export_dir: str | Path,
+        dtype: str = "float32",
+        device: str | torch.device | None = None,
+    ) -> None:
         from build_engines.export_format import build_transformers_model, load_export
         from runtime.heads import Heads
         from runtime.tokenizer import load_tokenizer
@@ -303,8 +322,9 @@ class Reference:
         elapsed = time.perf_counter() - start
         per_question = elapsed / len(prepared.questions)
         answers = {
-            question.id: answer_question(self.heads, self.calibration, question, readout,
-                                         per_question, elapsed)
+            question.id: answer_question(
+                self.heads, self.calibration, question, readout, per_question, elapsed
+            )
             for question, readout in zip(prepared.questions, readouts, strict=True)
         }
         return {
@@ -326,7 +346,7 @@ class Reference:
     def plain_readouts(self, prepared: Prepared) -> list[QuestionReadout]:
         """The comparison baseline: one plain forward over prefix + row for every row."""
         layout = self.layout(prepared)
-        prefix = prepared.layouts[0].token_ids[:layout.prefix_length]
+        prefix = prepared.layouts[0].token_ids[: layout.prefix_length]
         lm_head = self.model.get_output_embeddings()
         outputs = []
         with torch.no_grad():
@@ -343,7 +363,8 @@ class Reference:
     def _image_inputs(self, image: PreparedImage) -> dict:
         return {
             "pixel_values": torch.from_numpy(np.ascontiguousarray(image.pixel_values)).to(
-                self.device),
+                self.device
+            ),
             "image_grid_thw": torch.tensor([list(image.grid_thw)], device=self.device),
         }
 
@@ -351,7 +372,8 @@ class Reference:
         """`get_rope_index` with `mm_token_type_ids` rebuilt from the ids, as MSO1 does."""
         types = (ids == IMAGE_PAD).int()
         positions, _ = self.model.model.get_rope_index(
-            input_ids=ids, mm_token_type_ids=types, image_grid_thw=image["image_grid_thw"])
+            input_ids=ids, mm_token_type_ids=types, image_grid_thw=image["image_grid_thw"]
+        )
         return positions
 
     def _prefix_pass(self, prefix: Sequence[int], image: PreparedImage):
@@ -359,20 +381,27 @@ class Reference:
         ids = torch.tensor([list(prefix)], device=self.device)
         inputs = self._image_inputs(image)
         positions = self._positions(ids, inputs)
-        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                         position_ids=positions, mm_token_type_ids=(ids == IMAGE_PAD).int(),
-                         use_cache=True, logits_to_keep=1, **inputs)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            position_ids=positions,
+            mm_token_type_ids=(ids == IMAGE_PAD).int(),
+            use_cache=True,
+            logits_to_keep=1,
+            **inputs,
+        )
         return out.past_key_values, int(positions.max()) + 1
 
-    def _branch_chunk(self, rows: Sequence[Row], cache0, prefix_length: int,
-                      p0: int) -> torch.Tensor:
+    def _branch_chunk(
+        self, rows: Sequence[Row], cache0, prefix_length: int, p0: int
+    ) -> torch.Tensor:
         """One `branch_forward`: right-padded rows continuing copies of the prefix cache."""
         count, width = len(rows), max(len(row.tokens) for row in rows)
         ids = torch.full((count, width), PAD_ID, dtype=torch.long, device=self.device)
         mask = torch.zeros((count, width), dtype=torch.long, device=self.device)
         for index, row in enumerate(rows):
-            ids[index, :len(row.tokens)] = torch.tensor(row.tokens, device=self.device)
-            mask[index, :len(row.tokens)] = 1
+            ids[index, : len(row.tokens)] = torch.tensor(row.tokens, device=self.device)
+            mask[index, : len(row.tokens)] = 1
         prefix_mask = torch.ones((count, prefix_length), dtype=torch.long, device=self.device)
         steps = torch.arange(p0, p0 + width, device=self.device)
         out = self.model(
@@ -388,7 +417,7 @@ class Reference:
         return out.hidden_states[-1]  # the final-norm output (model.md §8.4)
 
     def _branch_readouts(self, prepared: Prepared, layout: BranchLayout) -> list[QuestionReadout]:
-        prefix = prepared.layouts[0].token_ids[:layout.prefix_length]
+        prefix = prepared.layouts[0].token_ids[: layout.prefix_length]
         flat = [(q, row) for q, rows in enumerate(layout.rows) for row in rows]
         if any(IMAGE_PAD in row.tokens for _, row in flat):
             raise ExecutionError("image placeholders must all lie in the shared prefix")
@@ -398,24 +427,27 @@ class Reference:
         with torch.no_grad():
             cache0, p0 = self._prefix_pass(prefix, prepared.image)
             for start in range(0, len(flat), chunk):
-                part = flat[start:start + chunk]
+                part = flat[start : start + chunk]
                 rows = [row for _, row in part]
                 hidden = self._branch_chunk(rows, cache0, layout.prefix_length, p0)
                 flags = [prepared.questions[q].type != "score" for q, _ in part]
-                for (q, _), row_read in zip(part, read_rows(lm_head, hidden, rows, flags),
-                                            strict=True):
+                for (q, _), row_read in zip(
+                    part, read_rows(lm_head, hidden, rows, flags), strict=True
+                ):
                     read[q].append(row_read)
         return [question_readout(rows) for rows in read]
 
     def _image_features(self, image: dict) -> torch.Tensor:
         """The vision tower's merged rows, one per `<|image_pad|>`, in order."""
-        features = self.model.model.get_image_features(image["pixel_values"],
-                                                       image["image_grid_thw"])
+        features = self.model.model.get_image_features(
+            image["pixel_values"], image["image_grid_thw"]
+        )
         # transformers 5.17 wraps the per-image tuple in an output object; older versions did not
         return torch.cat(getattr(features, "pooler_output", features), dim=0)
 
-    def _plain_hidden(self, prefix: Sequence[int], row: Row, image: dict,
-                      features: torch.Tensor) -> torch.Tensor:
+    def _plain_hidden(
+        self, prefix: Sequence[int], row: Row, image: dict, features: torch.Tensor
+    ) -> torch.Tensor:
         """Prefix + row as one sequence without a cache (the eager worker's pass, contract.md §5),
         returning the row's final-norm hidden states. The vision rows are computed once per
         request and scattered into the embeddings exactly as the model's own forward does."""
@@ -423,9 +455,13 @@ class Reference:
         embeds = self.model.get_input_embeddings()(ids)
         slots = (ids == IMAGE_PAD)[..., None].expand_as(embeds)
         embeds = embeds.masked_scatter(slots, features.to(embeds.dtype))
-        out = self.model(inputs_embeds=embeds, position_ids=self._positions(ids, image),
-                         output_hidden_states=True, logits_to_keep=1)
-        return out.hidden_states[-1][0, len(prefix):]
+        out = self.model(
+            inputs_embeds=embeds,
+            position_ids=self._positions(ids, image),
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        return out.hidden_states[-1][0, len(prefix) :]
 
 
 # ---------------------------------------------------------------------------------------------

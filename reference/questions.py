@@ -18,10 +18,18 @@ MODEL_ID = "tinnel123/OmniJev"  # contract.md §2.2: the model name requests car
 _SPEED_BENCH = (
     ("q0", "choice", "Which operation comes next?", ("click", "type text", "scroll", "wait")),
     ("q1", "noul", "This screen shows an error dialog.", None),
-    ("q2", "score", "How irreversible is the next action?",
-     ("harmless", "needs care", "irreversible")),
-    ("q3", "choice", "What is the main object?",
-     ("a board", "a screen", "a person", "a robot", "a street")),
+    (
+        "q2",
+        "score",
+        "How irreversible is the next action?",
+        ("harmless", "needs care", "irreversible"),
+    ),
+    (
+        "q3",
+        "choice",
+        "What is the main object?",
+        ("a board", "a screen", "a person", "a robot", "a street"),
+    ),
     ("q4", "noul", "The scene is indoors.", None),
     ("q5", "score", "How cluttered is the scene?", ("empty", "some", "busy", "packed")),
     ("q6", "regions", "Which region is most relevant?", None),
@@ -35,14 +43,50 @@ _SPEED_BENCH = (
 # contract.md §10.2 (`S1@1df4c2d recipe/omnijev/gate_questions.json`)
 _LONG_START = "open the settings menu at the top of the screen and then select the {} item"
 _CHOICE32 = (
-    "game", "chart", "map", "menu", "photo", "diagram", "table", "form", "chat", "email", "video",
-    "code", "terminal", "calendar", "document", "spreadsheet", "slide", "browser", "robot", "board",
-    "phone", "street", "kitchen", "office", "forest", "beach", "city", "animal", "person", "car",
-    "screen", "error",
+    "game",
+    "chart",
+    "map",
+    "menu",
+    "photo",
+    "diagram",
+    "table",
+    "form",
+    "chat",
+    "email",
+    "video",
+    "code",
+    "terminal",
+    "calendar",
+    "document",
+    "spreadsheet",
+    "slide",
+    "browser",
+    "robot",
+    "board",
+    "phone",
+    "street",
+    "kitchen",
+    "office",
+    "forest",
+    "beach",
+    "city",
+    "animal",
+    "person",
+    "car",
+    "screen",
+    "error",
 )
 _SCORE10 = (
-    "pitch black", "very dark", "dark", "dim", "slightly dim", "neutral", "slightly bright",
-    "bright", "very bright", "blinding",
+    "pitch black",
+    "very dark",
+    "dark",
+    "dim",
+    "slightly dim",
+    "neutral",
+    "slightly bright",
+    "bright",
+    "very bright",
+    "blinding",
 )
 
 
@@ -53,8 +97,9 @@ def _text_options(texts: tuple[str, ...]) -> list[dict]:
 
 def _region_options() -> list[dict]:
     """q6: keys r0..r3 with boxes [200i, 100, 200i+180, 300] (contract.md §10.1)."""
-    boxes = [{"key": f"r{i}", "region": {"box": [200 * i, 100, 200 * i + 180, 300]}}
-             for i in range(4)]
+    boxes = [
+        {"key": f"r{i}", "region": {"box": [200 * i, 100, 200 * i + 180, 300]}} for i in range(4)
+    ]
     return boxes + [{"abstain": True}]
 
 
@@ -72,40 +117,52 @@ def speed_bench_questions(count: int = 12) -> dict[str, dict]:
     """The first `count` of the twelve speed-bench questions (1, 3, 6, 12: 4, 8, 18, 35 rows)."""
     if not 1 <= count <= len(_SPEED_BENCH):
         raise ValueError(f"count must be 1 to {len(_SPEED_BENCH)}")
-    return {qid: _speed_bench_question(kind, text, values)
-            for qid, kind, text, values in _SPEED_BENCH[:count]}
+    return {
+        qid: _speed_bench_question(kind, text, values)
+        for qid, kind, text, values in _SPEED_BENCH[:count]
+    }
 
 
 def gate_questions() -> dict[str, dict]:
     """The eight gate questions, 55 rows."""
     return {
         "one_token": {
-            "type": "choice", "instructions": "Which button should be clicked next?",
+            "type": "choice",
+            "instructions": "Which button should be clicked next?",
             "options": _text_options(("click OK", "click Cancel", "click Close", "click Help")),
         },
         "long_start": {
-            "type": "choice", "instructions": "What should the user do next?",
-            "options": [{"key": key, "text": _LONG_START.format(key)}
-                        for key in ("first", "second", "third")] + [{"abstain": True}],
+            "type": "choice",
+            "instructions": "What should the user do next?",
+            "options": [
+                {"key": key, "text": _LONG_START.format(key)}
+                for key in ("first", "second", "third")
+            ]
+            + [{"abstain": True}],
         },
         "no_fit": {
-            "type": "choice", "instructions": "Which animal is shown in the picture?",
+            "type": "choice",
+            "instructions": "Which animal is shown in the picture?",
             "options": _text_options(("a giraffe", "a whale", "a penguin")),
         },
         "score10": {
-            "type": "score", "instructions": "How bright is the image overall?",
+            "type": "score",
+            "instructions": "How bright is the image overall?",
             "levels": list(_SCORE10),
         },
         "choice32": {
-            "type": "choice", "instructions": "Which word best describes the image?",
+            "type": "choice",
+            "instructions": "Which word best describes the image?",
             "options": _text_options(_CHOICE32),
         },
         "noul_day": {"type": "noul", "instructions": "The image was taken during the day."},
         "noul_people": {
-            "type": "noul", "instructions": "There are more than three people in the image.",
+            "type": "noul",
+            "instructions": "There are more than three people in the image.",
         },
         "noul_region": {
-            "type": "noul", "instructions": "There is text in this region.",
+            "type": "noul",
+            "instructions": "There is text in this region.",
             "region": {"box": [100, 100, 700, 400]},
         },
     }
@@ -128,8 +185,7 @@ def data_url(image: bytes, mime: str = "image/png") -> str:
 
 def build_request(image: bytes, questions: dict[str, dict], mime: str = "image/png") -> dict:
     """A request object for one image and the given questions, in their order."""
-    return {"model": MODEL_ID, "state": {"images": [data_url(image, mime)]},
-            "questions": questions}
+    return {"model": MODEL_ID, "state": {"images": [data_url(image, mime)]}, "questions": questions}
 
 
 def request_body(image: bytes, questions: dict[str, dict], mime: str = "image/png") -> bytes:

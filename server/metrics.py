@@ -84,9 +84,9 @@ class Metrics:
         self.questions = Counter(
             "omnijev_questions", "questions of answered requests", registry=registry
         )
-        Gauge(
-            "omnijev_admitted_requests", "requests admitted now", registry=registry
-        ).set_function(lambda: scheduler.admitted)
+        Gauge("omnijev_admitted_requests", "requests admitted now", registry=registry).set_function(
+            lambda: scheduler.admitted
+        )
         Gauge(
             "omnijev_queue_depth", "prepared requests waiting to execute", registry=registry
         ).set_function(lambda: scheduler.waiting)

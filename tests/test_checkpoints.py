@@ -225,8 +225,9 @@ def test_chat_template_renders_every_fixture_prompt(release_dir):
             assert render_prompt(instructions) + options == question["prompt"], question["id"]
             checked += 1
     assert checked == 26
-    assert render_prompt("  Is it dark?  \n\x1f ").endswith("  Is it dark?<|im_end|>\n"
-                                                          "<|im_start|>assistant\n<think>\n")
+    assert render_prompt("  Is it dark?  \n\x1f ").endswith(
+        "  Is it dark?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
 
 
 # -- determinism ---------------------------------------------------------------------------
@@ -313,6 +314,7 @@ def test_release_and_export_give_the_same_lm_outputs(export_dir, release_dir):
 
 def prepared_input(tokenizer, instructions: str, options: list[str], grid=(1, 8, 8)):
     """One question's sequence as contract.md §4.2-4.4 lays it out, with random pixels."""
+
     def encode(text):
         return tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -337,8 +339,11 @@ def test_heads_give_spread_logits_on_a_prepared_request(export_dir):
     info = load_export(export_dir, verify=False)
     model = build_transformers_model(info, torch.float32, "cpu")
     heads = load_heads_state(info)
-    inputs = prepared_input(Tokenizer.from_file(str(info.tokenizer_path)),
-                            "Which animal is shown?", ["a cat", "a dog", "a bird on a branch"])
+    inputs = prepared_input(
+        Tokenizer.from_file(str(info.tokenizer_path)),
+        "Which animal is shown?",
+        ["a cat", "a dog", "a bird on a branch"],
+    )
     with torch.no_grad():
         out = model(**inputs, output_hidden_states=True)
     hidden, logprobs = out.hidden_states[-1][0], out.logits[0].log_softmax(-1)
@@ -350,12 +355,25 @@ def test_heads_give_spread_logits_on_a_prepared_request(export_dir):
         x = F.gelu(F.linear(x, heads[f"{name}.0.weight"], heads[f"{name}.0.bias"]))
         return F.linear(x, heads[f"{name}.2.weight"], heads[f"{name}.2.bias"])
 
-    sums = torch.stack([logprobs[torch.arange(o, c - 1), ids[o + 1 : c]].sum()
-                        for o, c in zip(opens.tolist(), closes.tolist(), strict=True)])
+    sums = torch.stack(
+        [
+            logprobs[torch.arange(o, c - 1), ids[o + 1 : c]].sum()
+            for o, c in zip(opens.tolist(), closes.tolist(), strict=True)
+        ]
+    )
     counts = (closes - opens - 1).float()
     firsts = logprobs[opens, ids[opens + 1]]
-    feats = torch.stack([sums / 10, sums / counts, counts / 10, sums - sums.logsumexp(0),
-                         firsts, torch.ones_like(sums)], dim=1)
+    feats = torch.stack(
+        [
+            sums / 10,
+            sums / counts,
+            counts / 10,
+            sums - sums.logsumexp(0),
+            firsts,
+            torch.ones_like(sums),
+        ],
+        dim=1,
+    )
     gate = torch.tanh(mlp("head.que", zq))
     film = F.linear(feats, heads["head.feat.weight"], heads["head.feat.bias"])
     h = mlp("head.opt", u) * gate + film
@@ -426,8 +444,10 @@ def test_merge_refuses_a_tampered_base_file(release_copy, tmp_path):
 
 
 def test_merge_pins_the_real_base(release_copy, tmp_path):
-    edit_json(release_copy / "checkpoint" / RELEASE_MANIFEST,
-              lambda m: (m.pop("synthetic"), m.__setitem__("base_model", "Qwen/Qwen3.5-4B")))
+    edit_json(
+        release_copy / "checkpoint" / RELEASE_MANIFEST,
+        lambda m: (m.pop("synthetic"), m.__setitem__("base_model", "Qwen/Qwen3.5-4B")),
+    )
     refuse_merge(release_copy, "release file base/config.json does not match its SHA-256", tmp_path)
 
 
@@ -435,8 +455,10 @@ def test_merge_pins_the_real_base(release_copy, tmp_path):
     ("edit", "message"),
     [
         (lambda m: m.__setitem__("release", "v1.0"), "release is 'v1.0', expected 'v1.1'"),
-        (lambda m: (m.pop("synthetic"), m.__setitem__("base_model", "x/y")),
-         "release base_model is 'x/y', expected 'Qwen/Qwen3.5-4B'"),
+        (
+            lambda m: (m.pop("synthetic"), m.__setitem__("base_model", "x/y")),
+            "release base_model is 'x/y', expected 'Qwen/Qwen3.5-4B'",
+        ),
         (lambda m: m["files"].pop("ord.pt"), "does not list ord.pt"),
         (lambda m: m.__setitem__("model_id", "tinnel123/OmniJev"), "synthetic release claims"),
     ],
@@ -487,8 +509,21 @@ def test_merge_refuses_wrong_option_rows_and_heads(release_copy, tmp_path):
 
 def test_cli_release_then_merge(export_dir, tmp_path, capsys):
     release = tmp_path / "release"
-    assert main(["checkpoint", "--preset", "tiny", "--seed", "0", "--out", str(release),
-                 "--release-only"]) == 0
+    assert (
+        main(
+            [
+                "checkpoint",
+                "--preset",
+                "tiny",
+                "--seed",
+                "0",
+                "--out",
+                str(release),
+                "--release-only",
+            ]
+        )
+        == 0
+    )
     assert main(["merge", "--release", str(release), "--out", str(tmp_path / "export")]) == 0
     printed = capsys.readouterr().out
     assert f"export: {tmp_path / 'export'}" in printed

@@ -131,8 +131,9 @@ TOP_REFUSALS = [
         "request exceeds 1024 options in all",
     ),
     (  # the total comes after every question
-        body(questions={**{f"q{i}": q("choice", criteria=criteria(255)) for i in range(5)},
-                        "z": 3}),
+        body(
+            questions={**{f"q{i}": q("choice", criteria=criteria(255)) for i in range(5)}, "z": 3}
+        ),
         "question z: a question must be an object",
     ),
 ]
@@ -333,8 +334,11 @@ QUESTION_ACCEPTED = [
         ["region [1000000000,-1000000000,3,-4]"],
     ),
     (q("noul", region={"box": [10**9, 2, 3, 4]}), ["yes"], ["region [1000000000,2,3,4]"]),
-    (q("noul", region={"box": [-0.4, 1e-300, 0.49999999999999994, 3.5]}), ["yes"],
-     ["region [0,0,0,4]"]),
+    (
+        q("noul", region={"box": [-0.4, 1e-300, 0.49999999999999994, 3.5]}),
+        ["yes"],
+        ["region [0,0,0,4]"],
+    ),
     (q("score", levels=["low", "high"]), ["low", "high"], ["low", "high"]),
     (q("score", criteria={"safe": "nothing", "risky": 3}), ["safe", "risky"], ["safe", "risky"]),
     (q("score", levels=["x" * 8192]), ["x" * 8192], ["x" * 200]),
@@ -353,14 +357,23 @@ QUESTION_ACCEPTED = [
         ["region [0,0,1000,120]", "t", "", "u", "", "region [1,1,1,1]", ""],
     ),
     (q("choice", options=[{"abstain": True}, {}]), ["option_1"], [""]),
-    (q("choice", options=[{"abstain": True, "key": 3, "region": None}, {"text": "a"}]), ["a"],
-     ["a"]),
+    (
+        q("choice", options=[{"abstain": True, "key": 3, "region": None}, {"text": "a"}]),
+        ["a"],
+        ["a"],
+    ),
     (q("choice", options=[{"key": "<|opt|>", "text": "fine"}]), ["<|opt|>"], ["fine"]),
-    (q("choice", options=[{"text": "x" * 197 + "<|opt|>"}]), ["x" * 197 + "<|opt|>"],
-     ["x" * 197 + "<|o"]),
+    (
+        q("choice", options=[{"text": "x" * 197 + "<|opt|>"}]),
+        ["x" * 197 + "<|opt|>"],
+        ["x" * 197 + "<|o"],
+    ),
     (q("choice", options=[{"text": "😀" * 250}]), ["😀" * 250], ["😀" * 200]),
-    (q("choice", options=[{"key": "a", "text": "same"}, {"key": "b", "text": "same"}]),
-     ["a", "b"], ["same"] * 2),
+    (
+        q("choice", options=[{"key": "a", "text": "same"}, {"key": "b", "text": "same"}]),
+        ["a", "b"],
+        ["same"] * 2,
+    ),
     (q("choice", options=options(255)), OPTIONS_255, OPTIONS_255),
     (
         q("choice", options=[{"abstain": True}] * 765 + options(255)),
@@ -423,7 +436,7 @@ def test_matches_the_reference_fixture(case: dict) -> None:
         ("\u00a0\u3000\u200b\u2028\ufeff", '"\\u{a0}\\u{3000}\\u{200b}\\u{2028}\\u{feff}"'),
         ("e\u0301", '"e\\u{301}"'),
         ("\u09be\ue000\U000e0041", '"\\u{9be}\\u{e000}\\u{e0041}"'),
-        ("é 😀中'~", "\"é 😀中'~\""),
+        ("é 😀中'~", '"é 😀中\'~"'),
     ],
 )
 def test_rust_debug(text: str, debug: str) -> None:

@@ -180,7 +180,7 @@ def test_refuses_pinned_values(copy, key, value):
 
 def test_real_claim_needs_the_real_identity(copy):
     edit_manifest(copy, lambda m: m.pop("synthetic"))
-    refused(copy, "export manifest model_id is \"synthetic/omnijev-tiny-seed0\", expected tinnel")
+    refused(copy, 'export manifest model_id is "synthetic/omnijev-tiny-seed0", expected tinnel')
 
     def claim_real(manifest):
         manifest.update(REAL_IDENTITY)
@@ -202,8 +202,14 @@ def test_synthetic_may_not_claim_the_real_model_id(copy):
 
 
 @pytest.mark.parametrize(
-    "name", ["config.json", "heads.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "vision.safetensors"],
+    "name",
+    [
+        "config.json",
+        "heads.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "vision.safetensors",
+    ],
 )
 def test_refuses_missing_required_output(copy, name):
     edit_manifest(copy, lambda m: m["outputs"].pop(name))
@@ -222,7 +228,8 @@ def test_refuses_listed_file_that_is_missing(copy):
 
 
 @pytest.mark.parametrize(
-    "name", ["../tokenizer.json", "sub/tokenizer.json", "sub\\tokenizer.json", "..", MANIFEST, ""],
+    "name",
+    ["../tokenizer.json", "sub/tokenizer.json", "sub\\tokenizer.json", "..", MANIFEST, ""],
 )
 def test_refuses_names_that_are_not_plain(copy, name):
     edit_manifest(copy, lambda m: m["outputs"].__setitem__(name, "0" * 64))
@@ -232,7 +239,7 @@ def test_refuses_names_that_are_not_plain(copy, name):
 def test_refuses_unlisted_shard(copy):
     shard = "model-00002-of-00002.safetensors"
     edit_manifest(copy, lambda m: m["outputs"].pop(shard))
-    refused(copy, f"export shard \"{shard}\" is not listed in the manifest")
+    refused(copy, f'export shard "{shard}" is not listed in the manifest')
 
 
 def test_refuses_unlisted_model_safetensors(copy):
@@ -250,22 +257,38 @@ def test_refuses_wrong_vocab_size(copy):
 @pytest.mark.parametrize(
     ("calibration", "message"),
     [
-        ({"temperatures": {"noul": 1.0, "choice": 1.0}, "noul_bias": 0.0},
-         "temperatures are .*, expected noul, choice, score"),
-        ({"temperatures": {"noul": 1.0, "choice": 1.0, "score": 1.0, "x": 1.0}, "noul_bias": 0.0},
-         "temperatures are"),
-        ({"temperatures": {"noul": 1.0, "choice": -1.0, "score": 1.0}, "noul_bias": 0.0},
-         "export temperature choice is -1.0, expected positive"),
-        ({"temperatures": {"noul": 1.0, "choice": 1.0, "score": 0}, "noul_bias": 0.0},
-         "export temperature score is 0"),
-        ({"temperatures": {"noul": HUGE, "choice": 1.0, "score": 1.0}, "noul_bias": 0.0},
-         "export temperature noul is inf"),
-        ({"temperatures": {"noul": 1.0, "choice": "1", "score": 1.0}, "noul_bias": 0.0},
-         "export temperature choice is '1'"),
-        ({"temperatures": {"noul": 1.0, "choice": 1.0, "score": 1.0}, "noul_bias": HUGE},
-         "export noul_bias is inf, expected a finite number"),
-        ({"temperatures": {"noul": 1.0, "choice": 1.0, "score": 1.0}},
-         "export noul_bias is None"),
+        (
+            {"temperatures": {"noul": 1.0, "choice": 1.0}, "noul_bias": 0.0},
+            "temperatures are .*, expected noul, choice, score",
+        ),
+        (
+            {
+                "temperatures": {"noul": 1.0, "choice": 1.0, "score": 1.0, "x": 1.0},
+                "noul_bias": 0.0,
+            },
+            "temperatures are",
+        ),
+        (
+            {"temperatures": {"noul": 1.0, "choice": -1.0, "score": 1.0}, "noul_bias": 0.0},
+            "export temperature choice is -1.0, expected positive",
+        ),
+        (
+            {"temperatures": {"noul": 1.0, "choice": 1.0, "score": 0}, "noul_bias": 0.0},
+            "export temperature score is 0",
+        ),
+        (
+            {"temperatures": {"noul": HUGE, "choice": 1.0, "score": 1.0}, "noul_bias": 0.0},
+            "export temperature noul is inf",
+        ),
+        (
+            {"temperatures": {"noul": 1.0, "choice": "1", "score": 1.0}, "noul_bias": 0.0},
+            "export temperature choice is '1'",
+        ),
+        (
+            {"temperatures": {"noul": 1.0, "choice": 1.0, "score": 1.0}, "noul_bias": HUGE},
+            "export noul_bias is inf, expected a finite number",
+        ),
+        ({"temperatures": {"noul": 1.0, "choice": 1.0, "score": 1.0}}, "export noul_bias is None"),
     ],
 )
 def test_refuses_bad_calibration(copy, calibration, message):

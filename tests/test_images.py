@@ -66,11 +66,17 @@ def png_chunk(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
 
-def raw_png(width: int, height: int, depth: int, colour_type: int, pixels: bytes,
-            extra: tuple[tuple[bytes, bytes], ...] = ()) -> bytes:
+def raw_png(
+    width: int,
+    height: int,
+    depth: int,
+    colour_type: int,
+    pixels: bytes,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> bytes:
     """A PNG written by hand, for what Pillow does not write (16-bit RGB, acTL, bad headers)."""
     row = len(pixels) // height if height else 0
-    scanlines = b"".join(b"\0" + pixels[i * row:(i + 1) * row] for i in range(height))
+    scanlines = b"".join(b"\0" + pixels[i * row : (i + 1) * row] for i in range(height))
     header = struct.pack(">IIBBBBB", width, height, depth, colour_type, 0, 0, 0)
     chunks = [(b"IHDR", header), *extra, (b"IDAT", zlib.compress(scanlines)), (b"IEND", b"")]
     return PNG_MAGIC + b"".join(png_chunk(kind, body) for kind, body in chunks)
@@ -159,7 +165,7 @@ def test_pack_order_is_block_major():
         block, sub = divmod(index, 4)
         top = (block // blocks_per_row) * 32 + (sub // 2) * 16
         left = (block % blocks_per_row) * 32 + (sub % 2) * 16
-        patch = normalized[top:top + 16, left:left + 16].transpose(2, 0, 1)  # channel, row, col
+        patch = normalized[top : top + 16, left : left + 16].transpose(2, 0, 1)  # channel, row, col
         expected = np.stack([patch, patch], axis=1)  # channel, temporal copy, row, col
         np.testing.assert_array_equal(values[index], expected.reshape(-1))
 

@@ -439,8 +439,10 @@ def test_sigterm_lets_in_flight_work_finish() -> None:
     with ThreadPoolExecutor(1) as pool, cli as server:
         in_flight = pool.submit(post, server.url, decision(), headers={"x-request-id": "last"})
         until(
-            lambda: metrics(server.url)["omnijev_admitted_requests"] == 1
-            and metrics(server.url)["omnijev_preparing_requests"] == 0,
+            lambda: (
+                metrics(server.url)["omnijev_admitted_requests"] == 1
+                and metrics(server.url)["omnijev_preparing_requests"] == 0
+            ),
             "the request to execute",
         )
         server.process.send_signal(signal.SIGTERM)
