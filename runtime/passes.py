@@ -8,6 +8,7 @@ other questions (docs/design.md).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,8 +23,19 @@ TEXT_STEP = 16  # question-text and option length bucket
 # together moved a question's answer by up to 0.055 on the H200 in bfloat16 (4b, 20 questions
 # asked alone and together): the GPU's kernels follow the batch shape, and bfloat16 carries
 # their rounding into the answer. On the CPU and in float32 the batched answers happened to agree.
+# OMNIJEV_QUESTION_BATCH (up to 16) batches that many questions a pass instead: fewer passes,
+# answers no longer invariant on the GPU in bfloat16.
 QUESTION_BATCH = 1
+MAX_QUESTION_BATCH = 16
 OPTION_BATCH = 64  # option rows per pass, at most (the reference's chunk, model.md §8.4)
+
+
+def question_batch() -> int:
+    """Questions a pass: QUESTION_BATCH unless OMNIJEV_QUESTION_BATCH asks for more."""
+    asked = os.environ.get("OMNIJEV_QUESTION_BATCH")
+    if not asked:
+        return QUESTION_BATCH
+    return max(1, min(int(asked), MAX_QUESTION_BATCH))
 
 
 def bucket(n: int, step: int) -> int:
@@ -165,11 +177,11 @@ def plan_questions(prepared: Prepared, start: int) -> list[QuestionPass]:
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
         groups.setdefault(bucket(len(ids), TEXT_STEP), []).append(qi)
-    passes = []
+    passes, batch = [], question_batch()
     for length, members in sorted(groups.items()):
-        for chunk_start in range(0, len(members), QUESTION_BATCH):
-            chunk = members[chunk_start : chunk_start + QUESTION_BATCH]
-            p = empty_pass(batch_bucket(len(chunk), QUESTION_BATCH), length)
+        for chunk_start in range(0, len(members), batch):
+            chunk = members[chunk_start : chunk_start + batch]
+            p = empty_pass(batch_bucket(len(chunk), batch), length)
             qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
             for row, qi in enumerate(chunk):
                 ids, positions = spans[qi]

@@ -178,7 +178,6 @@ def invariance_bf16() -> None:
     and with questions batched together (the plan before), in each backend configuration."""
     import gc
 
-    import runtime.passes as passes
     from runtime.executor import load_engine
 
     report = {"environment": environment(), "build": build("tiny", ("bfloat16",), {})}
@@ -186,14 +185,14 @@ def invariance_bf16() -> None:
     for name, settings in VARIANTS.items():
         os.environ.update(settings)
         for batch in (1, 16):
-            passes.QUESTION_BATCH = batch
+            os.environ["OMNIJEV_QUESTION_BATCH"] = str(batch)
             executor = load_engine(str(export), str(engines), "onnxruntime")
             executor.prefix_cache.size = 0
             report[f"{name}, question batch {batch}"] = invariance(executor)
             save("invariance_bf16.json", report)
             del executor
             gc.collect()
-    passes.QUESTION_BATCH = 1
+    os.environ.pop("OMNIJEV_QUESTION_BATCH")
 
 
 def build4b() -> None:

@@ -188,3 +188,13 @@ def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypa
     assert json.dumps(without_latency(static.answer(body))) == expected
     assert "vision" in {graph for graph, _ in static.backend._slots}
     assert static.backend.name == "onnxruntime-cpu+static"
+
+
+def test_batched_questions_answer_alike_on_the_cpu(executor, monkeypatch):
+    """OMNIJEV_QUESTION_BATCH (fewer passes) still computes the same rows; on the CPU in float32
+    the answers agree byte for byte (on the GPU in BF16 they need not: see runtime/passes.py)."""
+    image, mime = IMAGES["pattern.png"]
+    body = request_body(image, {**speed_bench_questions(6), **gate_questions()}, mime)
+    one = json.dumps(without_latency(executor.answer(body)))
+    monkeypatch.setenv("OMNIJEV_QUESTION_BATCH", "16")
+    assert json.dumps(without_latency(executor.answer(body))) == one

@@ -71,3 +71,14 @@ def test_the_image_prefix_pass_is_shared(tokenizer):
     assert json.dumps({k: v.tolist() for k, v in together.prefix.arrays().items()}) == json.dumps(
         {k: v.tolist() for k, v in alone.prefix.arrays().items()}
     )
+
+
+def test_question_batching_is_opt_in(tokenizer, monkeypatch):
+    """OMNIJEV_QUESTION_BATCH trades the invariance above for fewer passes."""
+    prepared, work = planned(tokenizer, QUESTIONS)
+    monkeypatch.setenv("OMNIJEV_QUESTION_BATCH", "16")
+    _, batched = planned(tokenizer, QUESTIONS)
+    assert len(work.questions) == len(QUESTIONS)
+    assert len(batched.questions) < len(work.questions)
+    assert max(len(qp.members) for qp in batched.questions) > 1
+    assert len(batched.options) < len(work.options)
