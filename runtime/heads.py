@@ -1,4 +1,5 @@
-"""Decision heads and LM features in float32 NumPy (contract.md §6).
+"""Decision heads and LM features in float32: NumPy, with the linear layers and erf on PyTorch
+(contract.md §6).
 
 Follows the reference's `OptionScorer` (Choice, Noul), `OrdinalScoreHead` (Score) and the six
 LM features of `lm_option_feats` / `branch.py`; weights come from the export's `heads.safetensors`.
