@@ -4,6 +4,7 @@
     python scripts/gpu_session.py build4b    # 4b checkpoint, its ONNX files, and the tiny run
     python scripts/gpu_session.py latency4b  # 4b latency (bf16 engines) with the reference beside
     python scripts/gpu_session.py reference4b plain|fla  # (run by latency4b) the reference alone
+    python scripts/gpu_session.py references # both references, then the table (after REFERENCE=0)
     python scripts/gpu_session.py parity4b   # 4b parity (float32 engines) against the reference
 
 Results go to $OUT (JSON and a Markdown table); large artifacts to $WORK (default /tmp/omnijev),
@@ -94,20 +95,21 @@ def build(preset: str, dtypes: tuple[str, ...], graphs_for: dict[str, tuple[str,
         times["checkpoint_s"] = time.perf_counter() - start
         shutil.rmtree(release_path(export), ignore_errors=True)  # disk: the export is enough
         log(f"{preset} checkpoint in {times['checkpoint_s']:.1f} s")
-    for dtype in dtypes:
-        onnx = WORK / f"{preset}-{dtype}" / "onnx_ort"
+    for name in dtypes:  # "bfloat16", "float32", or "bfloat16-std" for the standard-op variant
+        dtype, _, gdn = name.partition("-")
+        onnx = WORK / f"{preset}-{name}" / "onnx_ort"
         if not onnx.exists():
             start = time.perf_counter()
             export_onnx(
                 export,
                 onnx,
                 dtype=dtype,
-                gdn="ort",
+                gdn=gdn or "ort",
                 readout="std",
-                graphs=graphs_for.get(dtype, ("vision", "lm_state", "lm_rows")),
+                graphs=graphs_for.get(name, ("vision", "lm_state", "lm_rows")),
             )
-            times[f"onnx_{dtype}_s"] = time.perf_counter() - start
-            log(f"{preset} {dtype} onnx in {times[f'onnx_{dtype}_s']:.1f} s")
+            times[f"onnx_{name}_s"] = time.perf_counter() - start
+            log(f"{preset} {name} onnx in {times[f'onnx_{name}_s']:.1f} s")
     return times
 
 
@@ -123,8 +125,8 @@ def tiny() -> None:
     report = {"environment": environment(), "build": build("tiny", ("float32",), {})}
     export, engines = WORK / "tiny-export", WORK / "tiny-float32"
     reference = Reference(export, dtype="float32", device=DEVICE)
-    for name, settings in VARIANTS.items():
-        os.environ.update(settings)
+    for name in ("dynamic", "static+graphs"):
+        configure(VARIANTS[name][1])
         executor = load_engine(str(export), str(engines), "onnxruntime")
         parity = bench.parity(executor, reference, bench.question_sets())
         report[name] = {
@@ -182,8 +184,8 @@ def invariance_bf16() -> None:
 
     report = {"environment": environment(), "build": build("tiny", ("bfloat16",), {})}
     export, engines = WORK / "tiny-export", WORK / "tiny-bfloat16"
-    for name, settings in VARIANTS.items():
-        os.environ.update(settings)
+    for name in ("dynamic", "static+graphs"):
+        configure(VARIANTS[name][1])
         for batch in (1, 16):
             os.environ["OMNIJEV_QUESTION_BATCH"] = str(batch)
             executor = load_engine(str(export), str(engines), "onnxruntime")
@@ -196,8 +198,8 @@ def invariance_bf16() -> None:
 
 
 def build4b() -> None:
-    """The 4b export, then its bfloat16 and float32 ONNX files and the tiny GPU run side by side
-    (each export is mostly one CPU thread; the machine has sixteen)."""
+    """The 4b export, then its ONNX files (bfloat16, float32, bfloat16 standard-op) and the tiny
+    GPU run side by side (each export is mostly one CPU thread; the machine has sixteen)."""
     times = build(BIG, (), {})
     started = time.perf_counter()
     jobs = {
@@ -205,6 +207,9 @@ def build4b() -> None:
         for name, args in {
             "onnx_bfloat16": ["onnx4b", "bfloat16"],
             "onnx_float32": ["onnx4b", "float32"],
+            # the chunked Gated DeltaNet in standard ops (64 tokens a pass), to time against
+            # ONNX Runtime's token-sequential LinearAttention
+            "onnx_bfloat16-std": ["onnx4b", "bfloat16-std"],
             "tiny": ["tiny"],
         }.items()
         if not (BIG == "tiny" and name == "tiny")  # a dry run on the CPU builds tiny once
@@ -227,12 +232,24 @@ def onnx4b() -> None:
     save(f"onnx4b-{dtype}.json", build(BIG, (dtype,), {}))
 
 
-# the configurations timed side by side: the default, then fixed-shape sessions (which let ONNX
-# Runtime fold the shape arithmetic) with CUDA graphs replayed per shape
+# the configurations timed side by side: (engines, settings). The default; fixed-shape sessions
+# (which let ONNX Runtime fold the shape arithmetic) with CUDA graphs replayed per shape; the same
+# with questions batched (fewer passes, not invariant in BF16); the standard-op Gated DeltaNet.
+SETTINGS = ("OMNIJEV_STATIC_SHAPES", "OMNIJEV_CUDA_GRAPHS", "OMNIJEV_QUESTION_BATCH")
+GRAPHS_ON = {"OMNIJEV_STATIC_SHAPES": "1", "OMNIJEV_CUDA_GRAPHS": "1"}
 VARIANTS = {
-    "dynamic": {"OMNIJEV_STATIC_SHAPES": "0", "OMNIJEV_CUDA_GRAPHS": "0"},
-    "static+graphs": {"OMNIJEV_STATIC_SHAPES": "1", "OMNIJEV_CUDA_GRAPHS": "1"},
+    "dynamic": ("bfloat16", {}),
+    "static+graphs": ("bfloat16", GRAPHS_ON),
+    "static+graphs+batched": ("bfloat16", {**GRAPHS_ON, "OMNIJEV_QUESTION_BATCH": "16"}),
+    "std-gdn+static+graphs": ("bfloat16-std", GRAPHS_ON),
 }
+
+
+def configure(settings: dict) -> None:
+    """Exactly these settings in the environment the executor reads at load."""
+    for key in SETTINGS:
+        os.environ.pop(key, None)
+    os.environ.update(settings)
 
 
 def device_used() -> int:
@@ -261,7 +278,7 @@ def time_variant(name: str, settings: dict, export: Path, engines: Path, runs: i
     from runtime import bench
     from runtime.executor import load_engine
 
-    os.environ.update(settings)
+    configure(settings)
     before = device_used()
     start = time.perf_counter()
     executor = load_engine(str(export), str(engines), "onnxruntime")
@@ -299,19 +316,28 @@ def time_variant(name: str, settings: dict, export: Path, engines: Path, runs: i
 
 
 def latency4b() -> None:
-    export, engines = WORK / f"{BIG}-export", WORK / f"{BIG}-bfloat16"
+    """Each configuration in LATENCY (default: all), then the reference unless REFERENCE=0."""
+    export = WORK / f"{BIG}-export"
     runs = int(os.environ.get("RUNS", "20"))
+    chosen = os.environ.get("LATENCY", ",".join(VARIANTS)).split(",")
     report = {"environment": environment(), "variants": {}}
-    for name, settings in VARIANTS.items():
+    for name in chosen:
+        engines_name, settings = VARIANTS[name]
+        engines = WORK / f"{BIG}-{engines_name}"
         try:
             report["variants"][name] = time_variant(name, settings, export, engines, runs)
-        except Exception as error:  # keep what the other variant measured
+        except Exception as error:  # keep what the other variants measured
             log(f"{name} failed: {error!r}")
             report["variants"][name] = {"error": repr(error)}
         save("latency4b.json", report)
-    answers = [v.get("speed_bench_answers") for v in report["variants"].values()]
-    report["variants_answer_alike"] = len({json.dumps(a, sort_keys=True) for a in answers}) == 1
     save("latency4b.json", report)
+    if os.environ.get("REFERENCE", "1") == "1":
+        references()
+    summary(report)
+
+
+def references() -> None:
+    """The reference in BF16, plain and with fla-core, each in its own process."""
     for name in ("plain", "fla"):
         started = time.perf_counter()
         env = dict(os.environ)
@@ -321,7 +347,6 @@ def latency4b() -> None:
             [sys.executable, "-u", __file__, "reference4b", name], env=env, timeout=400
         ).returncode
         log(f"reference {name}: exit {code} in {time.perf_counter() - started:.0f} s")
-    summary(report)
 
 
 def reference4b() -> None:
@@ -364,13 +389,15 @@ def summary(report: dict) -> None:
     for name, variant in report["variants"].items():
         if "rows" not in variant:
             continue
+        invariant = not variant["invariance"]["alone_differs"]
         for row in variant["rows"]:
             ref = theirs.get(row["workload"])
             if ref:
                 row["reference_median_ms"] = ref["median_ms"]
                 row["speedup"] = ref["median_ms"] / row["median_ms"]
         text.append(
-            f"### {name} ({variant['backend']}), cold start {variant['cold_start_s']:.1f} s, "
+            f"### {name} ({variant['backend']}), invariant {invariant}, "
+            f"cold start {variant['cold_start_s']:.1f} s, "
             f"peak device memory for 255 options {variant['peak_device_bytes_255'] / 2**30:.1f} GiB"
         )
         text.append(bench.latency_table(variant["rows"]))
@@ -400,4 +427,8 @@ def parity4b() -> None:
 if __name__ == "__main__":
     modes = {"tiny": tiny, "build4b": build4b, "latency4b": latency4b, "parity4b": parity4b}
     modes.update(reference4b=reference4b, onnx4b=onnx4b, invariance_bf16=invariance_bf16)
+    modes["references"] = lambda: (
+        references(),
+        summary(json.loads((OUT / "latency4b.json").read_text())),
+    )
     modes[sys.argv[1]]()
