@@ -26,7 +26,7 @@ log = logging.getLogger("omnijev.ort")
 ONNX_DIR = "onnx_ort"  # the ONNX Runtime variant inside an engine directory
 GRAPHS = ("vision", "lm_state", "lm_rows")
 MAX_CUDA_GRAPHS = 64  # shape signatures kept; each holds its own buffers
-MAX_STATIC_SESSIONS = 12  # static-shape sessions kept; each holds its own copy of the weights
+MAX_STATIC_SESSIONS = 12  # fixed-shape sessions kept; each holds its own activation arena
 # the language-model passes are bucketed (runtime.passes), so their shapes repeat at once
 STATIC_GRAPHS = ("lm_state", "lm_rows")
 # the vision graph's size follows the image (a full-attention tower cannot be padded): a size
@@ -128,18 +128,6 @@ def shareable(initializer: onnx.TensorProto) -> bool:
     return len(initializer.raw_data) >= SHARED_BYTES
 
 
-class DeviceBytes:
-    """A byte view of device memory that torch can wrap (the CUDA array interface)."""
-
-    def __init__(self, pointer: int, nbytes: int):
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (pointer, False),
-            "version": 3,
-        }
-
-
 class SharedWeights:
     """The graphs' large initializers, read once onto the backend's device and given to every
     session through `SessionOptions.add_initializer`, which uses a value in place when it already
@@ -170,7 +158,7 @@ class SharedWeights:
 
     def value(self, initializer: onnx.TensorProto, raw: np.ndarray):
         """(owner of the memory, OrtValue) for one initializer on the backend's device."""
-        host = torch.from_numpy(raw.copy())
+        host = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
         dtype = ONNX_TO_TORCH[initializer.data_type]
         # add_initializer takes only memory the caller owns: torch's, wrapped without a copy
         tensor = host.view(dtype).reshape(tuple(initializer.dims)).to(self.device)
