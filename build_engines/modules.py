@@ -250,17 +250,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """q [B, H, T, hd] over keys/values [B, KVH, L, hd]; query head h reads KV head h // (H/KVH).
-    `mask` [B, T, L] is true where a key is visible. Returns [B, T, H·hd]."""
+    """q [B, H, T, hd] over the shared keys/values [1, KVH, P, hd] (the image prefix, read by
+    every row in place, never copied per row) followed by each row's own [B, KVH, L, hd]; query
+    head h reads KV head h // (H/KVH). `mask` [B, T, P + L] is true where a key is visible.
+    One softmax over both parts; the two weighted sums are added in float32.
+    Returns [B, T, H·hd]."""
     b, heads, t, hd = q.shape
     kv_heads = keys.shape[1]
     qg = q.reshape(b, kv_heads, heads // kv_heads, t, hd)
-    scores = (qg @ keys[:, :, None].transpose(-1, -2)) * scale
+    shared = qg @ shared_k[:, :, None].transpose(-1, -2)  # broadcast over rows and groups
+    own = qg @ keys[:, :, None].transpose(-1, -2)
+    scores = torch.cat([shared, own], dim=-1) * scale
     scores = torch.where(mask[:, None, None], scores.float(), MASKED)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = (probs @ values[:, :, None]).reshape(b, heads, t, hd)
+    p_shared, p_own = probs.split([shared_k.shape[2], keys.shape[2]], dim=-1)
+    out = (p_shared @ shared_v[:, :, None]).float() + (p_own @ values[:, :, None]).float()
+    out = out.to(values.dtype).reshape(b, heads, t, hd)
     return out.transpose(1, 2).reshape(b, t, heads * hd)
 
 
@@ -286,9 +299,9 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys = torch.cat([prefix_k.expand(b, -1, -1, -1), src_k, k], dim=2)
-        values = torch.cat([prefix_v.expand(b, -1, -1, -1), src_v, v], dim=2)
-        attn = grouped_attention(q, keys, values, mask, self.head_dim**-0.5)
+        keys = torch.cat([src_k, k], dim=2)
+        values = torch.cat([src_v, v], dim=2)
+        attn = grouped_attention(q, prefix_k, prefix_v, keys, values, mask, self.head_dim**-0.5)
         return self.o_proj(attn * torch.sigmoid(gate)), k, v
 
 
