@@ -33,6 +33,7 @@ STATIC_GRAPHS = ("lm_state", "lm_rows")
 # gets its own session only once it has come back, so one-off sizes cost no session build
 REPEATED_GRAPHS = ("vision",)
 REPEATS_BEFORE_STATIC = 2
+SEEN_SIZES = 1024  # image sizes remembered for that count; forgotten all at once beyond
 # initializers at least this large are read once and shared by every session; small constants
 # stay in the graphs, where ONNX Runtime folds them and places shape arithmetic
 SHARED_BYTES = 1 << 20
@@ -305,6 +306,8 @@ class OrtBackend:
             return True
         if graph in REPEATED_GRAPHS:
             key = (graph, tuple((n, tuple(t.shape)) for n, t in sorted(feeds.items())))
+            if key not in self._seen and len(self._seen) >= SEEN_SIZES:
+                self._seen.clear()
             self._seen[key] += 1
             return self._seen[key] >= REPEATS_BEFORE_STATIC
         return False
