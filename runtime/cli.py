@@ -71,6 +71,14 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "bench":
         parser.add_argument("--runs", type=int, default=20)
         parser.add_argument("--reference-dtype", choices=("float32", "bfloat16"), default=None)
+    if name == "serve":
+        parser.add_argument(
+            "--warm-up",
+            action="append",
+            metavar="REQUEST.json",
+            help="also answer this request before reporting ready (repeatable): its shapes' "
+            "sessions and CUDA graphs are then built before the first client",
+        )
     if name in ("serve", "demo"):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)

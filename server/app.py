@@ -12,7 +12,7 @@ import logging
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
@@ -262,18 +262,21 @@ class RequestLog:
 class Worker:
     """The engine behind the scheduler: warm-up state and the work of one admitted request."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler) -> None:
+    def __init__(self, engine: Engine, scheduler: Scheduler, warm_ups: Sequence[dict] = ()) -> None:
         self.engine = engine
         self.scheduler = scheduler
+        self.warm_ups = list(warm_ups)  # the operator's own requests, after the built-in one
         self.state = "warming up"  # then "ready" or "warm-up failed"
 
     async def warm_up(self) -> None:
-        """Run the warm-up request through prepare and execute; only then is the worker ready."""
+        """Run the warm-up request, then the operator's, through prepare and execute; only then
+        is the worker ready (their shapes' sessions and graphs are built by then)."""
         start = time.perf_counter()
-        ticket = Ticket()
         try:
-            prepared = await self.scheduler.prepare(ticket, self._prepare_warm_up, None)
-            await self.scheduler.execute(ticket, self.engine.execute, prepared)
+            for body in [None, *self.warm_ups]:
+                ticket = Ticket()
+                prepared = await self.scheduler.prepare(ticket, self._prepare_warm_up, body)
+                await self.scheduler.execute(ticket, self.engine.execute, prepared)
         except Exception:
             log.exception("warm-up failed; the worker will not answer")
             self.state = "warm-up failed"
@@ -281,8 +284,8 @@ class Worker:
         self.state = "ready"
         log.info("warm-up done in %.3f s", time.perf_counter() - start)
 
-    def _prepare_warm_up(self, _: None) -> Prepared:
-        return self.engine.prepare(self.engine.warm_up_request())
+    def _prepare_warm_up(self, body: dict | None) -> Prepared:
+        return self.engine.prepare(self.engine.warm_up_request() if body is None else body)
 
     async def answer(self, ticket: Ticket, obj: dict, record: RequestRecord) -> tuple[int, bytes]:
         """Prepare and execute one admitted request: (status, body); never raises."""
@@ -323,8 +326,15 @@ def documented_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def create_app(engine: Engine, *, admitted: int = ADMITTED, preparing: int = PREPARING) -> FastAPI:
-    """The worker's app. It listens at once and warms up in a background thread at startup.
+def create_app(
+    engine: Engine,
+    *,
+    admitted: int = ADMITTED,
+    preparing: int = PREPARING,
+    warm_ups: Sequence[dict] = (),
+) -> FastAPI:
+    """The worker's app. It listens at once and warms up in a background thread at startup;
+    `warm_ups` are parsed request bodies run after the built-in warm-up request.
 
     Until the warm-up request has run through engine.prepare and engine.execute, `GET /health`
     answers 503 `{"status": "warming up"}` and `POST /v1/systemone` answers 503
@@ -333,7 +343,7 @@ def create_app(engine: Engine, *, admitted: int = ADMITTED, preparing: int = PRE
     """
     scheduler = Scheduler(admitted, preparing)
     metrics = Metrics(scheduler)
-    worker = Worker(engine, scheduler)
+    worker = Worker(engine, scheduler, warm_ups)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -436,9 +446,22 @@ def cli_serve(args: Any) -> int:
     """`omnijev serve --checkpoint DIR --engines DIR [--backend auto] [--host H --port P]`."""
     from runtime.executor import load_engine
 
+    warm_ups = [read_warm_up(path) for path in args.warm_up or ()]
     engine = load_engine(args.checkpoint, args.engines, args.backend)
-    serve(create_app(engine), args.host, args.port)
+    serve(create_app(engine, warm_ups=warm_ups), args.host, args.port)
     return 0
+
+
+def read_warm_up(path: str) -> dict:
+    """A warm-up request file, checked as the worker checks a body before serving starts."""
+    from runtime.contract import compile_request
+
+    try:
+        obj = parse_body(Path(path).read_bytes())
+        compile_request(obj)
+    except (OSError, BodyError, ContractError) as error:
+        raise SystemExit(f"warm-up request {path}: {error}") from None
+    return obj
 
 
 def cli_demo(args: Any) -> int:

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -200,7 +201,7 @@ def server_config(app: object) -> uvicorn.Config:
 class ThreadServer:
     """uvicorn serving an app in a background thread of the test process."""
 
-    def __init__(self, engine: Engine, **options: int) -> None:
+    def __init__(self, engine: Engine, **options: Any) -> None:
         self.engine = engine
         self.sock = listening_socket()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

@@ -287,6 +287,43 @@ def test_health_is_503_until_the_warm_up_request_has_run() -> None:
         assert post(server.url, decision()).status_code == 200
 
 
+def test_operator_warm_up_requests_run_before_ready() -> None:
+    """`omnijev serve --warm-up FILE`: those requests run after the built-in one, and the worker
+    reports ready only when they are done (their shapes' sessions and graphs exist by then)."""
+    engine = RealishEngine()
+    with ThreadServer(engine, warm_ups=[decision()]) as server:
+        wait_ready(server.url)
+        assert engine.finished == 2 and engine.executed[1] == "zeta"
+        assert post(server.url, decision()).status_code == 200
+
+
+def test_a_failing_operator_warm_up_keeps_the_worker_unready() -> None:
+    engine = RealishEngine()
+    failing = decision({"bad": {"type": "noul", "instructions": FAIL}})
+    with ThreadServer(engine, warm_ups=[failing]) as server:
+        until(lambda: httpx.get(server.url + "/health").json()["status"] != "warming up", "warm-up")
+        assert httpx.get(server.url + "/health").json() == {"status": "warm-up failed"}
+
+
+def test_warm_up_files_are_checked_before_serving(tmp_path) -> None:
+    from server.app import read_warm_up
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(decision()))
+    assert read_warm_up(str(good))["questions"].keys() == decision()["questions"].keys()
+    cases = {
+        "missing.json": None,
+        "broken.json": "{not json",
+        "refused.json": json.dumps(decision({})),
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit, match=f"warm-up request {re.escape(str(path))}: "):
+            read_warm_up(str(path))
+
+
 def test_a_failed_warm_up_keeps_the_worker_unready() -> None:
     engine = RealishEngine()
     engine.warm_up_request = lambda: {"questions": {}}  # type: ignore[method-assign]
