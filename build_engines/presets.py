@@ -53,6 +53,18 @@ VISION_COMMON = {
     "deepstack_visual_indexes": [],
 }
 
+
+def rope_parameters(mrope_section: list[int]) -> dict:
+    """Qwen3.5's rope: theta 1e7, a quarter of each head rotated, interleaved M-RoPE."""
+    return {
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": mrope_section,
+        "mrope_interleaved": True,
+    }
+
+
 TINY_TEXT = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -65,13 +77,7 @@ TINY_TEXT = {
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
     # sum(mrope_section) == head_dim · partial_rotary_factor / 2 = 32 · 0.25 / 2 = 4
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 1e7,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": rope_parameters([2, 1, 1]),
 }
 TINY_VISION = {
     "depth": 2,
@@ -93,13 +99,7 @@ REAL_TEXT = {
     "linear_key_head_dim": 128,
     "linear_value_head_dim": 128,
     # 11 + 11 + 10 = 256 · 0.25 / 2
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 1e7,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": rope_parameters([11, 11, 10]),
 }
 REAL_VISION = {
     "depth": 24,

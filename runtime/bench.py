@@ -117,6 +117,14 @@ def body(image: bytes, mime: str, questions: dict[str, dict]) -> bytes:
 # -- parity ------------------------------------------------------------------------------------
 
 
+def without_latency(response: dict) -> dict[str, dict]:
+    """A response's answers without their latency fields: what must repeat byte for byte."""
+    return {
+        qid: {k: v for k, v in answer.items() if not k.startswith("latency")}
+        for qid, answer in response["answers"].items()
+    }
+
+
 def answer_values(answer: dict) -> dict[str, float]:
     values = {k: answer[k] for k in ("noul", "abstain", "confidence") if k in answer}
     values.update({f"p:{k}": v for k, v in answer.get("probabilities", {}).items()})

@@ -153,11 +153,7 @@ def invariance(executor) -> dict:
     questions = {**speed_bench_questions(12), **gate_questions()}
 
     def answers(qs):
-        response = executor.answer(request_body(image, qs, "image/png"))
-        return {
-            q: {k: v for k, v in a.items() if not k.startswith("latency")}
-            for q, a in response["answers"].items()
-        }
+        return bench.without_latency(executor.answer(request_body(image, qs, "image/png")))
 
     def gap(a: dict, b: dict) -> float:
         return bench.largest_difference(a, b)
@@ -304,10 +300,7 @@ def time_variant(name: str, settings: dict, export: Path, engines: Path, runs: i
         image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, 1), "PNG")
         executor.answer(bench.body(image, "image/png", bench.choice_with(255)))
     result["peak_device_bytes_255"] = peak.peak - before
-    answers = executor.answer(speed_bench_request())["answers"]
-    result["speed_bench_answers"] = {
-        q: {k: v for k, v in a.items() if not k.startswith("latency")} for q, a in answers.items()
-    }
+    result["speed_bench_answers"] = bench.without_latency(executor.answer(speed_bench_request()))
     result["invariance"] = invariance(executor)
     del executor, backend
     gc.collect()

@@ -38,8 +38,8 @@ from build_engines.merge import (
 )
 from runtime.cli import main
 from tests.checkpoint_fixtures import copy_export, rewrite, tiny_export, tiny_release
+from tests.spec import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
 IMAGE_PAD, OPT, CLOSE = 248056, 248077, 248078
 
 

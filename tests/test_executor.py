@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
-from runtime.bench import compare, encode, photo_image
+from runtime.bench import compare, encode, photo_image, without_latency
 from tests.engine_fixtures import tiny_engines
+from tests.spec import ANSWER_FIELDS
 
 PARITY = 1.0001e-4  # the 1e-4 on answers rounded to four decimals: one unit of the last
 
@@ -41,13 +42,6 @@ IMAGES = {
     "pattern.png": (pattern_png(640, 480), "image/png"),
     "photo.jpg": (encode(photo_image(800, 600, 3), "JPEG"), "image/jpeg"),
 }
-
-
-def without_latency(response: dict) -> dict:
-    return {
-        qid: {k: v for k, v in answer.items() if not k.startswith("latency")}
-        for qid, answer in response["answers"].items()
-    }
 
 
 @pytest.mark.parametrize("image_name", sorted(IMAGES))
@@ -113,16 +107,8 @@ def test_response_shape(executor):
     assert response["model"] == "tinnel123/OmniJev"
     assert response["usage"]["output_tokens"] == 0
     q0, q1, q2 = (response["answers"][q] for q in ("q0", "q1", "q2"))
-    assert list(q0) == [
-        "choice",
-        "probabilities",
-        "abstain",
-        "valid",
-        "confidence",
-        "latency_s",
-        "latency_total_s",
-    ]
-    assert list(q1) == ["noul", "latency_s", "latency_total_s"]
+    assert list(q0) == ANSWER_FIELDS["choice"]
+    assert list(q1) == ANSWER_FIELDS["noul"]
     assert list(q2) == ["score", "probabilities", "confidence", "latency_s", "latency_total_s"]
     assert q0["latency_total_s"] > 0
 

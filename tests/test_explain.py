@@ -18,9 +18,9 @@ from runtime.explain import cli_explain, collapse_image_run, explain, question_f
 from runtime.processing import IMAGE_PAD_ID, prepare
 from runtime.tokenizer import load_tokenizer
 from runtime.types import PreparedImage, Question, Request
+from tests.spec import FIXTURES
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "reference"
 OMNIJEV = Path(sys.executable).parent / "omnijev"
 TOP_LEVEL = [
     "prefix_length",

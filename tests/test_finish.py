@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,25 +18,11 @@ from runtime.finish import (
     scale,
     torch_sum_f32,
 )
+from tests.spec import ANSWER_FIELDS, FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
 FINISH = json.loads((FIXTURES / "finish.json").read_text())
 TOLERANCE = 1.0001e-4  # contract §7.6: beyond four options the 4th decimal may move by one
 CLOSE_TOP = 2e-4  # ... and the key may differ when the reference's top two are this close
-
-FIELDS = {
-    "noul": ["noul", "latency_s", "latency_total_s"],
-    "choice": [
-        "choice",
-        "probabilities",
-        "abstain",
-        "valid",
-        "confidence",
-        "latency_s",
-        "latency_total_s",
-    ],
-    "score": ["score", "probabilities", "confidence", "latency_s", "latency_total_s"],
-}
 
 
 def fixture_calibration() -> Calibration:
@@ -91,7 +76,7 @@ def test_field_order(qtype: str) -> None:
     keys = ["yes"] if qtype == "noul" else ["a", "b"]
     mu = [0.4] if qtype == "noul" else [0.3, 0.6]
     answer = finish_answer(qtype, keys, mu, Calibration.v11(), 0.03125, 0.2469)
-    assert list(answer) == FIELDS[qtype]
+    assert list(answer) == ANSWER_FIELDS[qtype]
     assert answer["latency_s"] == 0.0312 and answer["latency_total_s"] == 0.2469
     assert json.dumps(answer).startswith(f'{{"{qtype}": ')
 
@@ -214,7 +199,7 @@ def test_answer_question_end_to_end(qtype: str, keys: tuple, picked: list) -> No
         first=[p[0] if p else None for p in picked],
     )
     answer = answer_question(heads, Calibration.v11(), question, readout, 0.25, 0.5)
-    assert list(answer) == FIELDS[qtype]
+    assert list(answer) == ANSWER_FIELDS[qtype]
     mu = question_mu(heads, qtype, readout)
     assert answer == finish_answer(qtype, keys, mu, Calibration.v11(), 0.25, 0.5)
     if qtype != "noul":

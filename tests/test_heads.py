@@ -24,8 +24,8 @@ from runtime.heads import (
     softmax,
 )
 from runtime.types import QuestionReadout
+from tests.spec import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
 FEATURES = json.loads((FIXTURES / "features.json").read_text())
 HEADS_CASES = json.loads((FIXTURES / "heads.json").read_text())["cases"]
 TOLERANCE = 1e-5  # contract §6.5: absolute, relative above 1

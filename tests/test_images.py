@@ -9,7 +9,6 @@ import io
 import json
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +25,8 @@ from runtime.images import (
     resize_rgb,
     smart_resize,
 )
+from tests.spec import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
 PIXEL_CASES = json.loads((FIXTURES / "pixels.json").read_text())["cases"]
 PROCESSING_CASES = json.loads((FIXTURES / "processing.json").read_text())["cases"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,6 @@ import hashlib
 import importlib
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,8 +29,7 @@ from runtime.processing import (
 )
 from runtime.tokenizer import load_tokenizer
 from runtime.types import PreparedImage, Question, Request
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
+from tests.spec import FIXTURES
 
 
 def load_cases() -> list[dict]:

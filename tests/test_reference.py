@@ -26,9 +26,9 @@ from runtime.processing import prepare
 from runtime.strict_json import parse_body
 from runtime.types import QuestionReadout
 from tests.checkpoint_fixtures import tiny_export
+from tests.spec import ANSWER_FIELDS, FIXTURES
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "reference"
 IMAGE = pattern_png(320, 224)  # smart resize keeps 320×224: grid [1, 14, 20], 70 image tokens
 EXACT = 1e-5  # branch against plain when the recurrence is computed exactly (float64)
 # Issue #3: branch against plain within 1e-5 in float32 as well, on final-norm hidden states and
@@ -44,20 +44,6 @@ EXACT = 1e-5  # branch against plain when the recurrence is computed exactly (fl
 # (ATEN_CPU_CAPABILITY=default) 8.3e-6 and 6.7e-6.
 FLOAT32 = 1e-5
 ORDER = 1e-6  # answers when only the question order changes
-# Answer fields in the order of contract.md §3.
-FIELDS = {
-    "noul": ["noul", "latency_s", "latency_total_s"],
-    "choice": [
-        "choice",
-        "probabilities",
-        "abstain",
-        "valid",
-        "confidence",
-        "latency_s",
-        "latency_total_s",
-    ],
-    "score": ["score", "probabilities", "confidence", "latency_s", "latency_total_s"],
-}
 SETS = {"speed_bench": speed_bench_questions(), "gate": gate_questions()}
 
 
@@ -299,7 +285,7 @@ def assert_contract_response(response: dict, questions: dict[str, dict]) -> None
     assert list(response["usage"]) == ["input_tokens", "output_tokens"]
     assert response["usage"]["output_tokens"] == 0
     for qid, answer in response["answers"].items():
-        assert list(answer) == FIELDS[questions[qid]["type"]]
+        assert list(answer) == ANSWER_FIELDS[questions[qid]["type"]]
         assert answer["latency_total_s"] > 0
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -17,8 +16,7 @@ from runtime.tokenizer import (
     tokenizer_config,
     write_tokenizer_files,
 )
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
+from tests.spec import FIXTURES
 
 
 @pytest.fixture(scope="module")

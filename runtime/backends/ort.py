@@ -229,9 +229,7 @@ class OrtBackend:
             path = folder / f"{graph}.onnx"
             if graph == "lm_rows" and not path.exists():
                 continue  # optional: the state variant also answers option passes
-            self.sessions[graph], self.graphs_on[graph] = self._session(
-                str(path), threads, cuda_graphs
-            )
+            self.sessions[graph], self.graphs_on[graph] = self._session(str(path), cuda_graphs)
         self._dtypes = {
             graph: {i.name: ORT_TO_TORCH[i.type] for i in s.get_inputs()}
             for graph, s in self.sessions.items()
@@ -267,7 +265,7 @@ class OrtBackend:
         self.weights.add_to(options, path)
         return options
 
-    def _session(self, path: str, threads: int | None, graphs: bool, fixed: dict | None = None):
+    def _session(self, path: str, graphs: bool, fixed: dict | None = None):
         """A CUDA-graph session when the whole graph runs on the GPU, else a plain one."""
         if graphs and self.device.type == "cuda":
             try:
@@ -338,7 +336,7 @@ class OrtBackend:
             for dim, size in zip(spec.shape, feeds[spec.name].shape, strict=True):
                 if isinstance(dim, str) and fixed.setdefault(dim, size) != size:
                     raise ValueError(f"{graph}: dimension {dim} is both {fixed[dim]} and {size}")
-        session, graphs = self._session(self._paths[graph], self._threads, self._cuda_graphs, fixed)
+        session, graphs = self._session(self._paths[graph], self._cuda_graphs, fixed)
         log.info("%s: static session %s, cuda graphs %s", graph, fixed, graphs)
         self.static_graphs_on[graph] = self.static_graphs_on.get(graph, True) and graphs
         return session
