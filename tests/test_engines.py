@@ -144,16 +144,24 @@ def built(tmp_path_factory):
 
 
 @needs_library
-def test_rebuild_with_static_shapes_is_byte_identical(tmp_path, monkeypatch):
-    """One fixed shape per axis: two builds from copies of the same files are byte-identical."""
+def test_rebuilds_with_static_shapes_are_byte_identical_as_a_rule(tmp_path, monkeypatch):
+    """One fixed shape per axis: builds from copies of the same files are byte-identical as a
+    rule. Not always: TensorRT-RTX 1.7.1 gave 19 identical pairs of 20 here, the other differing
+    in 177 bytes of the same program sections as dynamic plans (worker-thread timing), and a full
+    CI run once met such a pair. So: of four builds, two at least are identical, and all are the
+    same size within REBUILD_SLACK."""
     static = {axis: (4, 4, 4) for axis in "BTRM"}
     monkeypatch.setitem(trt_build.PROFILES, "lm_rows", (("rows", static),))
     plans = []
-    for name in ("a", "b"):
+    for name in "abcd":
         root = engine_dir(tmp_path / name)
         entry = build(root, graphs=("lm_rows",))["graphs"]["lm_rows"]
         plans.append((root / entry["plan"]).read_bytes())
-    assert trt_build.plan_difference(*plans)["identical"]
+    differences = [trt_build.plan_difference(plans[0], plan) for plan in plans[1:]]
+    assert len(set(plans)) < len(plans)
+    for difference in differences:
+        assert difference["sizes"][0] == difference["sizes"][1], difference
+        assert difference["differing_bytes"] <= REBUILD_SLACK * len(plans[0]), difference
 
 
 @needs_library
