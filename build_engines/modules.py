@@ -22,6 +22,9 @@ LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (model.md §6.2)
 VISION_THETA = 10000.0  # Qwen3_5VisionConfig's axial rope_theta default
 MASKED = torch.finfo(torch.float32).min  # finite, so a row whose keys are all masked stays finite
 GDN_VARIANTS = ("ort", "std")
+# the vision tower's attention: written out in standard ops, or ONNX Runtime's fused
+# `com.microsoft::MultiHeadAttention` (flash attention on the GPU in BF16; TensorRT cannot read it)
+ATTENTION_VARIANTS = ("std", "ort")
 READOUT_VARIANTS = ("std", "plugin")
 
 
@@ -139,10 +142,31 @@ class MLP(nn.Module):
 # -- vision tower --------------------------------------------------------------------------
 
 
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Full attention of q, k, v [heads, N, hd] as one `com.microsoft::MultiHeadAttention` node
+    (its 3-D layout, [1, N, heads·hd]); the kernel keeps the softmax in float32, as the
+    standard-op form does.
+    Returns [N, heads·hd]."""
+    heads, n, hd = q.shape
+    flat = [x.transpose(0, 1).reshape(1, n, heads * hd) for x in (q, k, v)]
+    out = torch.onnx.ops.symbolic(
+        "com.microsoft::MultiHeadAttention",
+        flat,
+        {"num_heads": heads, "scale": scale},
+        dtype=q.dtype,
+        shape=[1, n, heads * hd],
+        version=1,
+    )
+    return out.reshape(n, heads * hd)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, dim: int, heads: int, intermediate: int):
         super().__init__()
         self.heads = heads
+        self.fused = False  # export the attention as ONNX Runtime's MultiHeadAttention
         self.norm1 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
         self.norm2 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
         self.attn = nn.Module()
@@ -158,7 +182,10 @@ class VisionBlock(nn.Module):
         cos, sin = cos[None].float(), sin[None].float()
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        scale = q.shape[-1] ** -0.5
+        if self.fused and torch.onnx.is_in_onnx_export():
+            return self.attn.proj(fused_attention(q, k, v, scale))
+        scores = (q @ k.transpose(-1, -2)) * scale
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         return self.attn.proj((probs @ v).transpose(0, 1).reshape(n, dim))
 
@@ -173,7 +200,7 @@ class VisionTower(nn.Module):
 
     Full non-causal attention over the one image; the merger uses exact GELU (model.md §6.2)."""
 
-    def __init__(self, vision_config: dict):
+    def __init__(self, vision_config: dict, attention: str = "std"):
         super().__init__()
         vc = vision_config
         dim, self.merge = vc["hidden_size"], vc["spatial_merge_size"]
@@ -189,11 +216,17 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(
             VisionBlock(dim, vc["num_heads"], vc["intermediate_size"]) for _ in range(vc["depth"])
         )
+        self.set_attention(attention)
         merged = dim * self.merge**2
         self.merger = nn.Module()
         self.merger.norm = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
         self.merger.linear_fc1 = nn.Linear(merged, merged)
         self.merger.linear_fc2 = nn.Linear(merged, vc["out_hidden_size"])
+
+    def set_attention(self, attention: str) -> None:
+        """How export writes each block's attention (ATTENTION_VARIANTS); eager is unchanged."""
+        for block in self.blocks:
+            block.fused = attention == "ort"
 
     def forward(
         self,

@@ -17,7 +17,13 @@ import onnx_ir as ir
 import torch
 from torch.export import Dim
 
-from build_engines.modules import GDN_VARIANTS, READOUT_VARIANTS, STD_MAX_TOKENS, LanguagePass
+from build_engines.modules import (
+    ATTENTION_VARIANTS,
+    GDN_VARIANTS,
+    READOUT_VARIANTS,
+    STD_MAX_TOKENS,
+    LanguagePass,
+)
 from build_engines.weights import DTYPES, load_language_pass, load_vision_tower, read_config
 from plugins.readout import DOMAIN, GEMM_OPSET
 
@@ -242,9 +248,12 @@ def derive_rows_graph(state_path: Path, rows_path: Path) -> dict:
     }
 
 
-def export_vision(export_dir: Path, out_dir: Path, dtype: torch.dtype) -> dict:
+def export_vision(
+    export_dir: Path, out_dir: Path, dtype: torch.dtype, attention: str = "std"
+) -> dict:
     config = read_config(export_dir)
     tower, _ = load_vision_tower(export_dir, dtype)
+    tower.set_attention(attention)
     merged = Dim("merged")
     shapes = tuple({0: 4 * merged} for _ in range(4))
     names = ["pixel_values", "pos_embeds", "cos", "sin"]
@@ -297,20 +306,26 @@ def export_onnx(
     gdn: str = "ort",
     readout: str = "std",
     graphs: tuple[str, ...] = GRAPHS,
+    attention: str | None = None,
 ) -> dict:
     """Writes the ONNX files of one variant and `onnx_export.json`; returns the description.
 
     gdn="ort" uses onnxruntime's fused LinearAttention; gdn="std" standard ops only (passes of at
-    most 64 tokens). readout="plugin" emits the `omnijev::TokenLogProbs` node for TensorRT."""
+    most 64 tokens). attention="ort" writes the vision tower's attention as onnxruntime's fused
+    MultiHeadAttention (the default with gdn="ort"). readout="plugin" emits the
+    `omnijev::TokenLogProbs` node for TensorRT."""
+    attention = attention or ("ort" if gdn == "ort" else "std")
     if dtype not in DTYPES or gdn not in GDN_VARIANTS or readout not in READOUT_VARIANTS:
         raise ValueError(f"dtype {dtype!r}, gdn {gdn!r} or readout {readout!r} is not known")
+    if attention not in ATTENTION_VARIANTS:
+        raise ValueError(f"attention {attention!r} is not known")
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = read_config(export_dir)
     torch_dtype = DTYPES[dtype]
     files = {}
     if "vision" in graphs:
-        files["vision"] = export_vision(export_dir, out_dir, torch_dtype)
+        files["vision"] = export_vision(export_dir, out_dir, torch_dtype, attention)
     lm_graphs = [g for g in ("lm_state", "lm_rows") if g in graphs]
     module = (
         load_language_pass(export_dir, torch_dtype, gdn=gdn, readout=readout) if lm_graphs else None
@@ -328,6 +343,7 @@ def export_onnx(
         "dtype": dtype,
         "gdn": gdn,
         "readout": readout,
+        "vision_attention": attention,
         "readout_domain": DOMAIN if readout == "plugin" else None,
         "max_tokens": STD_MAX_TOKENS if gdn == "std" else None,
         "opset": OPSET,
@@ -338,9 +354,8 @@ def export_onnx(
     }
     manifest = out_dir / MANIFEST
     previous = json.loads(manifest.read_text("utf-8")) if manifest.is_file() else {}
-    if {k: previous.get(k) for k in ("dtype", "gdn", "readout")} == {
-        k: description[k] for k in ("dtype", "gdn", "readout")
-    }:
+    same = ("dtype", "gdn", "readout", "vision_attention")
+    if {k: previous.get(k) for k in same} == {k: description[k] for k in same}:
         description["graphs"] = {**previous.get("graphs", {}), **files}
     manifest.write_text(json.dumps(description, indent=1) + "\n", "utf-8")
     return description
@@ -349,7 +364,10 @@ def export_onnx(
 def cli_export(args) -> int:
     """`omnijev export --checkpoint DIR --out DIR [--dtype]`."""
     gdn, readout = getattr(args, "gdn", "ort"), getattr(args, "readout", "std")
-    description = export_onnx(args.checkpoint, args.out, args.dtype, gdn, readout)
+    attention = getattr(args, "attention", None)
+    description = export_onnx(
+        args.checkpoint, args.out, args.dtype, gdn, readout, attention=attention
+    )
     for graph, info in description["graphs"].items():
         print(f"{graph}: {info['file']} ({info['seconds']} s)")
     return 0

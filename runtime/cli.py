@@ -59,6 +59,13 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
             default="std",
             help="standard ops, or the omnijev::TokenLogProbs plugin node",
         )
+        parser.add_argument(
+            "--attention",
+            choices=("ort", "std"),
+            default=None,
+            help="vision attention: ONNX Runtime's fused MultiHeadAttention or standard ops "
+            "(default: follows --gdn)",
+        )
     if name == "engines":
         parser.add_argument("--skip-plans", action="store_true", help="ONNX only")
         parser.add_argument("--timing-cache", default=None, help="replay this timing cache")

@@ -6,6 +6,7 @@
     python scripts/gpu_session.py reference4b plain|fla  # (run by latency4b) the reference alone
     python scripts/gpu_session.py references # both references, then the table (after REFERENCE=0)
     python scripts/gpu_session.py parity4b   # 4b parity (float32 engines) against the reference
+    python scripts/gpu_session.py profile4b  # 4b kernels per stage (CUPTI), 1 question and 255
 
 Results go to $OUT (JSON and a Markdown table); large artifacts to $WORK (default /tmp/omnijev),
 which survives between calls only while the machine stays warm.
@@ -28,6 +29,7 @@ WORK = Path(os.environ.get("WORK", "/tmp/omnijev"))
 OUT = Path(os.environ.get("OUT", "/tmp/omnijev-out"))
 DEVICE = os.environ.get("DEVICE", "cuda")  # cpu only to try the script without a GPU
 BIG = os.environ.get("PRESET", "4b")  # tiny only to try the script without a GPU
+TIMED = os.environ.get("DTYPE", "bfloat16")  # float32 only to try it on the CPU (no BF16 kernels)
 
 
 def log(message: str) -> None:
@@ -83,6 +85,30 @@ class PeakMemory:
         self.thread.join()
 
 
+# export variants by name suffix: (gdn, vision attention, graphs written). "std": the chunked
+# standard-op Gated DeltaNet (64 tokens a pass); "stdvision": the vision tower's attention in
+# standard ops, its language model linked from the default export (see linked_engines)
+EXPORTS = {
+    "": ("ort", "ort", ("vision", "lm_state", "lm_rows")),
+    "std": ("std", "std", ("vision", "lm_state", "lm_rows")),
+    "stdvision": ("ort", "std", ("vision",)),
+}
+
+
+def linked_engines(engines: Path, base: Path) -> None:
+    """Completes a vision-only export with the language-model files of `base` (links)."""
+    own, theirs = engines / "onnx_ort", base / "onnx_ort"
+    if (own / "lm_state.onnx").exists():
+        return
+    for path in theirs.iterdir():
+        if path.name.startswith("lm_"):
+            (own / path.name).symlink_to(path)
+    description = json.loads((own / "onnx_export.json").read_text())
+    graphs = json.loads((theirs / "onnx_export.json").read_text())["graphs"]
+    description["graphs"] = {**graphs, "vision": description["graphs"]["vision"]}
+    (own / "onnx_export.json").write_text(json.dumps(description, indent=1))
+
+
 def build(preset: str, dtypes: tuple[str, ...], graphs_for: dict[str, tuple[str, ...]]) -> dict:
     from build_engines.checkpoints import make_checkpoint, release_path
     from build_engines.onnx_export import export_onnx
@@ -95,18 +121,20 @@ def build(preset: str, dtypes: tuple[str, ...], graphs_for: dict[str, tuple[str,
         times["checkpoint_s"] = time.perf_counter() - start
         shutil.rmtree(release_path(export), ignore_errors=True)  # disk: the export is enough
         log(f"{preset} checkpoint in {times['checkpoint_s']:.1f} s")
-    for name in dtypes:  # "bfloat16", "float32", or "bfloat16-std" for the standard-op variant
-        dtype, _, gdn = name.partition("-")
+    for name in dtypes:  # "bfloat16", "float32", or a variant of EXPORTS
+        dtype, _, variant = name.partition("-")
         onnx = WORK / f"{preset}-{name}" / "onnx_ort"
         if not onnx.exists():
             start = time.perf_counter()
+            gdn, attention, graphs = EXPORTS[variant]
             export_onnx(
                 export,
                 onnx,
                 dtype=dtype,
-                gdn=gdn or "ort",
+                gdn=gdn,
                 readout="std",
-                graphs=graphs_for.get(name, ("vision", "lm_state", "lm_rows")),
+                graphs=graphs_for.get(name, graphs),
+                attention=attention,
             )
             times[f"onnx_{name}_s"] = time.perf_counter() - start
             log(f"{preset} {name} onnx in {times[f'onnx_{name}_s']:.1f} s")
@@ -149,11 +177,13 @@ def invariance(executor) -> dict:
     from reference.questions import gate_questions, request_body, speed_bench_questions
     from runtime import bench
 
+    executor.prefix_cache.size = 0  # every request runs the vision tower and the prefix
+    executor.prefix_cache.entries.clear()
     image = bench.encode(bench.screen_image(1600, 900, 1), "PNG")
     questions = {**speed_bench_questions(12), **gate_questions()}
 
-    def answers(qs):
-        return bench.without_latency(executor.answer(request_body(image, qs, "image/png")))
+    def answers(qs, still=image):
+        return bench.without_latency(executor.answer(request_body(still, qs, "image/png")))
 
     def gap(a: dict, b: dict) -> float:
         return bench.largest_difference(a, b)
@@ -166,7 +196,17 @@ def invariance(executor) -> dict:
         q: gap(together[q], backwards[q]) for q in questions if backwards[q] != together[q]
     }
     repeat = json.dumps(answers(questions)) == json.dumps(together)
-    result = {"alone_differs": differ, "reversed_differs": differ_reversed, "repeatable": repeat}
+    # an image size met for the first time: its first answers (the dynamic vision session)
+    # against the third (a fixed-shape session, when those are on)
+    fresh = bench.encode(bench.screen_image(1280, 720, 2), "PNG")
+    first = [answers({"q0": questions["q0"]}, fresh)["q0"] for _ in range(3)]
+    new_size = gap(first[0], first[2]) if first[0] != first[2] else 0.0
+    result = {
+        "alone_differs": differ,
+        "reversed_differs": differ_reversed,
+        "repeatable": repeat,
+        "new_image_size_first_vs_third": new_size,
+    }
     log(f"invariance: {result}")
     return result
 
@@ -201,11 +241,13 @@ def build4b() -> None:
     jobs = {
         name: subprocess.Popen([sys.executable, "-u", __file__, *args])
         for name, args in {
-            "onnx_bfloat16": ["onnx4b", "bfloat16"],
+            "onnx_bfloat16": ["onnx4b", TIMED],
             "onnx_float32": ["onnx4b", "float32"],
             # the chunked Gated DeltaNet in standard ops (64 tokens a pass), to time against
             # ONNX Runtime's token-sequential LinearAttention
-            "onnx_bfloat16-std": ["onnx4b", "bfloat16-std"],
+            "onnx_bfloat16-std": ["onnx4b", f"{TIMED}-std"],
+            # the vision tower with standard-op attention, to time against the fused one
+            "onnx_bfloat16-stdvision": ["onnx4b", f"{TIMED}-stdvision"],
             "tiny": ["tiny"],
         }.items()
         if not (BIG == "tiny" and name == "tiny")  # a dry run on the CPU builds tiny once
@@ -228,16 +270,18 @@ def onnx4b() -> None:
     save(f"onnx4b-{dtype}.json", build(BIG, (dtype,), {}))
 
 
-# the configurations timed side by side: (engines, settings). The default; fixed-shape sessions
+# the configurations timed side by side: (engines, settings). The default; the vision tower with
+# standard-op attention; fixed-shape sessions
 # (which let ONNX Runtime fold the shape arithmetic) with CUDA graphs replayed per shape; the same
 # with questions batched (fewer passes, not invariant in BF16); the standard-op Gated DeltaNet.
 SETTINGS = ("OMNIJEV_STATIC_SHAPES", "OMNIJEV_CUDA_GRAPHS", "OMNIJEV_QUESTION_BATCH")
 GRAPHS_ON = {"OMNIJEV_STATIC_SHAPES": "1", "OMNIJEV_CUDA_GRAPHS": "1"}
 VARIANTS = {
-    "dynamic": ("bfloat16", {}),
-    "static+graphs": ("bfloat16", GRAPHS_ON),
-    "static+graphs+batched": ("bfloat16", {**GRAPHS_ON, "OMNIJEV_QUESTION_BATCH": "16"}),
-    "std-gdn+static+graphs": ("bfloat16-std", GRAPHS_ON),
+    "dynamic": (TIMED, {}),
+    "std-vision": (f"{TIMED}-stdvision", {}),
+    "static+graphs": (TIMED, GRAPHS_ON),
+    "static+graphs+batched": (TIMED, {**GRAPHS_ON, "OMNIJEV_QUESTION_BATCH": "16"}),
+    "std-gdn+static+graphs": (f"{TIMED}-std", GRAPHS_ON),
 }
 
 
@@ -318,6 +362,8 @@ def latency4b() -> None:
         engines_name, settings = VARIANTS[name]
         engines = WORK / f"{BIG}-{engines_name}"
         try:
+            if engines_name.endswith("-stdvision"):
+                linked_engines(engines, WORK / f"{BIG}-{TIMED}")
             report["variants"][name] = time_variant(name, settings, export, engines, runs)
         except Exception as error:  # keep what the other variants measured
             log(f"{name} failed: {error!r}")
@@ -417,9 +463,129 @@ def parity4b() -> None:
     log(bench.parity_table(report))
 
 
+STAGES = {  # Executor methods timed as the stages of Executor.stages
+    "vision": "vision",
+    "prefix": "run_prefix",
+    "questions": "run_question",
+    "options": "run_options",
+    "heads": "respond",
+}
+
+
+def staged(executor) -> None:
+    """Wraps each stage's method in a profiler range named after the stage (this instance only)."""
+    import torch
+
+    for stage, method in STAGES.items():
+        original = getattr(executor, method)
+
+        def wrapped(*args, _stage=stage, _original=original, **kwargs):
+            with torch.profiler.record_function(f"stage:{_stage}"):
+                return _original(*args, **kwargs)
+
+        setattr(executor, method, wrapped)
+
+
+def kernels_by_stage(trace: dict) -> dict:
+    """GPU kernels of a Chrome trace grouped by the stage range their launch fell in: the time,
+    launch count and largest kernels of each stage, and each stage's wall time."""
+    events = trace["traceEvents"]
+    ranges = [
+        (e["ts"], e["ts"] + e["dur"], e["name"].removeprefix("stage:"))
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("stage:")
+    ]
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    stages: dict = {}
+    for stage in [*STAGES, "other"]:
+        wall = sum(end - start for start, end, name in ranges if name == stage) / 1e3
+        stages[stage] = {"wall_ms": wall, "kernel_ms": 0.0, "launches": 0, "kernels": {}}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        launched = launches.get(e.get("args", {}).get("correlation"))
+        stage = next(
+            (n for start, end, n in ranges if launched is not None and start <= launched <= end),
+            "other",
+        )
+        row = stages[stage]
+        row["kernel_ms"] += e["dur"] / 1e3
+        row["launches"] += 1
+        totals = row["kernels"].setdefault(e["name"][:90], [0.0, 0])
+        totals[0] += e["dur"] / 1e3
+        totals[1] += 1
+    for row in stages.values():
+        top = sorted(row["kernels"].items(), key=lambda kv: -kv[1][0])[:8]
+        row["kernels"] = [{"name": n, "ms": round(t, 3), "count": c} for n, (t, c) in top]
+    return stages
+
+
+def stage_table(title: str, wall_ms: float, stages: dict) -> str:
+    lines = [
+        f"== {title}: wall {wall_ms:.1f} ms",
+        "| stage | wall ms | kernel ms | launches | largest kernels (ms × count) |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for stage, row in stages.items():
+        top = "; ".join(f"{k['name'][:48]} {k['ms']:.2f}×{k['count']}" for k in row["kernels"][:3])
+        lines.append(
+            f"| {stage} | {row['wall_ms']:.1f} | {row['kernel_ms']:.1f} | {row['launches']} "
+            f"| {top} |"
+        )
+    return "\n".join(lines)
+
+
+def profile4b() -> None:
+    """One warm request of each workload under CUPTI, kernels attributed to the executor's
+    stages (the issue's per-stage profile for a missed target). PROFILE=name picks a variant."""
+    import torch
+
+    from runtime import bench
+    from runtime.executor import load_engine
+
+    name = os.environ.get("PROFILE", "dynamic")
+    engines_name, settings = VARIANTS[name]
+    configure(settings)
+    executor = load_engine(str(WORK / f"{BIG}-export"), str(WORK / f"{BIG}-{engines_name}"))
+    executor.prefix_cache.size = 0
+    image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, 1), "PNG")
+    report, text = {"variant": name, "backend": executor.backend.name}, []
+    staged(executor)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for workload in ("1 question", "12 questions", "255 options"):
+        request = bench.body(image, "image/png", bench.workloads()[workload])
+        for _ in range(3):
+            executor.answer(request)
+        trace_path = OUT / f"trace-{workload.replace(' ', '-')}.json"
+        with torch.profiler.profile(activities=activities) as prof:
+            started = time.perf_counter()
+            executor.answer(request)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = 1e3 * (time.perf_counter() - started)
+        OUT.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path))
+        stages = kernels_by_stage(json.loads(trace_path.read_text()))
+        trace_path.unlink()  # tens of MB: the table is what is kept
+        prepare = 1e3 * executor.stages["prepare"]
+        report[workload] = {"wall_ms": wall, "prepare_ms": prepare, "stages": stages}
+        text.append(stage_table(workload, wall, stages))
+        text.append(f"prepare (host, before the first stage): {prepare:.1f} ms")
+        log(text[-2] + "\n" + text[-1])
+        save("profile4b.json", report)
+    save("profile4b.md", "\n\n".join(text))
+
+
 if __name__ == "__main__":
     modes = {"tiny": tiny, "build4b": build4b, "latency4b": latency4b, "parity4b": parity4b}
     modes.update(reference4b=reference4b, onnx4b=onnx4b, invariance_bf16=invariance_bf16)
+    modes["profile4b"] = profile4b
     modes["references"] = lambda: (
         references(),
         summary(json.loads((OUT / "latency4b.json").read_text())),

@@ -37,14 +37,15 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """One tiny export and its ONNX variants: ORT fused GDN (all graphs), standard-op GDN
-    (lm_state) and the plugin readout (lm_rows, not runnable by onnxruntime)."""
+    """One tiny export and its ONNX variants: ORT fused GDN and vision attention (all graphs),
+    standard ops (vision, lm_state) and the plugin readout (lm_rows, not runnable by
+    onnxruntime)."""
     root = tmp_path_factory.mktemp("onnx")
     model = build_model(TINY_TEXT, TINY_VISION)
     export = write_export(model, root / "export")
     variants = {
         "ort": export_onnx(export, root / "ort", gdn="ort"),
-        "std": export_onnx(export, root / "std", gdn="std", graphs=("lm_state",)),
+        "std": export_onnx(export, root / "std", gdn="std", graphs=("vision", "lm_state")),
         "plugin": export_onnx(
             export, root / "plugin", gdn="std", readout="plugin", graphs=("lm_rows",)
         ),
@@ -78,10 +79,17 @@ def features(model, export):
     return pixels, inputs, ours
 
 
-def test_vision_onnx_matches_module(exported):
-    model, export, root, _ = exported
+@pytest.mark.parametrize("variant", ["ort", "std"])
+def test_vision_onnx_matches_module(exported, variant):
+    """Fused MultiHeadAttention (the ORT variant) and standard-op attention alike."""
+    model, export, root, described = exported
     pixels, inputs, expected = features(model, export)
-    sess = session(root / "ort" / "vision.onnx")
+    ops = {(n.domain, n.op_type) for n in onnx.load(str(root / variant / "vision.onnx")).graph.node}
+    fused = ("com.microsoft", "MultiHeadAttention") in ops
+    assert fused == (variant == "ort") == (described[variant]["vision_attention"] == "ort")
+    if variant == "std":
+        assert not any(domain for domain, _ in ops)  # TensorRT reads this form
+    sess = session(root / variant / "vision.onnx")
     (out,) = sess.run(None, {"pixel_values": pixels.numpy(), **inputs})
     assert [i.name for i in sess.get_inputs()] == ["pixel_values", "pos_embeds", "cos", "sin"]
     assert out.shape == tuple(expected.shape)

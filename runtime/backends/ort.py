@@ -38,6 +38,10 @@ SEEN_SIZES = 1024  # image sizes remembered for that count; forgotten all at onc
 # stay in the graphs, where ONNX Runtime folds them and places shape arithmetic
 SHARED_BYTES = 1 << 20
 BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
+# on CUDA the graphs' CPU nodes are shape arithmetic: one thread, not spinning, so that ORT's
+# pools (one per session, a thread per core by default) leave the host's cores to preparation
+# and the heads between passes
+CUDA_HOST_THREADS = 1
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32,
     "tensor(bfloat16)": torch.bfloat16,
@@ -70,9 +74,12 @@ def element_type(dtype: torch.dtype) -> type | int:
     return TORCH_TO_NUMPY[dtype]
 
 
-def session_options(threads: int | None) -> ort.SessionOptions:
+def session_options(threads: int | None, cuda: bool = False) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if cuda:
+        threads = threads or CUDA_HOST_THREADS
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         options.intra_op_num_threads = threads
     return options
@@ -259,7 +266,7 @@ class OrtBackend:
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
     def _options(self, path: str, fixed: dict[str, int] | None = None) -> ort.SessionOptions:
-        options = session_options(self._threads)
+        options = session_options(self._threads, self.device.type == "cuda")
         for dim, size in (fixed or {}).items():
             options.add_free_dimension_override_by_name(dim, int(size))
         self.weights.add_to(options, path)
