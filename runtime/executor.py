@@ -28,6 +28,9 @@ MODEL_ID = "tinnel123/OmniJev"  # the name every response carries (contract.md �
 # 4b entry is ~50 MiB of Gated DeltaNet state plus 32 KiB of K/V per prefix token (model.md §11).
 PREFIX_CACHE = 8
 WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (contract.md §1.2)
+# the vision tower's position and rotary tables depend only on the patch grid: kept on the
+# device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
+VISION_TABLES = 8
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class Executor:
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
         self.image_token = int(self.config.get("image_token_id", 248056))
         self.prefix_cache = PrefixCache(int(os.environ.get("OMNIJEV_PREFIX_CACHE", PREFIX_CACHE)))
+        self._vision_tables: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
 
     # -- request side -------------------------------------------------------------------
@@ -114,6 +118,11 @@ class Executor:
 
     def warm_up_request(self) -> dict:
         return warm_up_request()
+
+    def settle(self) -> int:
+        """Waits for the backend's fixed-shape sessions still being built; how many there were."""
+        settle = getattr(self.backend, "settle", None)
+        return settle() if settle else 0
 
     def answer(self, body: bytes) -> dict:
         from runtime.strict_json import parse_body
@@ -193,13 +202,10 @@ class Executor:
             return f.get_tensor("model.visual.pos_embed.weight").float().numpy()
 
     def vision(self, prepared: Prepared) -> torch.Tensor:
-        from build_engines.modules import vision_inputs
-
         image = prepared.image
-        inputs = vision_inputs(image.grid_thw, self.pos_embed, self.config)
-        inputs["pixel_values"] = image.pixel_values
         dtypes = self.backend.input_dtypes("vision")
-        feeds = {name: self.tensor(inputs[name], dtypes[name]) for name in dtypes}
+        feeds = dict(self.vision_tables(tuple(int(x) for x in image.grid_thw)))
+        feeds["pixel_values"] = self.tensor(image.pixel_values, dtypes["pixel_values"])
         rows = image.image_tokens
         out = torch.empty(rows, self.dims.hidden, dtype=self._lm_dtypes["image_features"])
         outputs = {self.output_name("vision", "image_features"): out.to(self.device)}
@@ -209,6 +215,21 @@ class Executor:
         # rows are never read, and the prefix pass's shapes repeat across image sizes
         extra = bucket(rows, PREFIX_STEP) - rows
         return torch.cat([features, features.new_zeros(extra, features.shape[1])])
+
+    def vision_tables(self, grid: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
+        from build_engines.modules import vision_inputs
+
+        tables = self._vision_tables.get(grid)
+        if tables is None:
+            dtypes = self.backend.input_dtypes("vision")
+            inputs = vision_inputs(grid, self.pos_embed, self.config)
+            tables = {name: self.tensor(inputs[name], dtypes[name]) for name in inputs}
+            if len(self._vision_tables) >= VISION_TABLES:
+                self._vision_tables.popitem(last=False)
+            self._vision_tables[grid] = tables
+        self._vision_tables.move_to_end(grid)
+        return tables
 
     def output_name(self, graph: str, wanted: str) -> str:
         names = self.backend.output_names(graph)

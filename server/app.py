@@ -40,6 +40,9 @@ RETRY_AFTER = {"Retry-After": "1"}  # contract.md §1.5
 # admitted work finishes before a SIGTERM'd worker exits; 16 requests of 255 options take minutes
 # (contract.md §1.6: 40.6 s median with 8 clients)
 GRACEFUL_SHUTDOWN_S = 300
+# warm-up rounds once the fixed-shape sessions built during the first have settled: ONNX
+# Runtime runs a pass before it captures its CUDA graph, and replays from the next
+SETTLED_ROUNDS = 2
 DEMO_DIR = Path("artifacts/demo")
 DEMO_BACKEND = "auto"  # the demo has ONNX Runtime engines only, which `auto` picks without a GPU
 
@@ -273,16 +276,23 @@ class Worker:
         is the worker ready (their shapes' sessions and graphs are built by then)."""
         start = time.perf_counter()
         try:
-            for body in [None, *self.warm_ups]:
-                ticket = Ticket()
-                prepared = await self.scheduler.prepare(ticket, self._prepare_warm_up, body)
-                await self.scheduler.execute(ticket, self.engine.execute, prepared)
+            await self._warm_up_round()
+            settle = getattr(self.engine, "settle", None)
+            if settle is not None and await asyncio.to_thread(settle):
+                for _ in range(SETTLED_ROUNDS):
+                    await self._warm_up_round()
         except Exception:
             log.exception("warm-up failed; the worker will not answer")
             self.state = "warm-up failed"
             return
         self.state = "ready"
         log.info("warm-up done in %.3f s", time.perf_counter() - start)
+
+    async def _warm_up_round(self) -> None:
+        for body in [None, *self.warm_ups]:
+            ticket = Ticket()
+            prepared = await self.scheduler.prepare(ticket, self._prepare_warm_up, body)
+            await self.scheduler.execute(ticket, self.engine.execute, prepared)
 
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -157,7 +158,8 @@ def test_prefix_cache_reuses_the_image_prefix_without_changing_answers(executor)
 
 def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypatch):
     """OMNIJEV_STATIC_SHAPES: one session per shape signature with its dimensions fixed (the way
-    to CUDA graphs on ONNX Runtime); the answers must not move."""
+    to CUDA graphs on ONNX Runtime), built in the background while the dynamic session answers;
+    the answers must not move when the fixed sessions take over."""
     from runtime.executor import load_engine
 
     monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
@@ -167,13 +169,48 @@ def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypa
     image, mime = IMAGES["pattern.png"]
     body = request_body(image, speed_bench_questions(6), mime)
     expected = json.dumps(without_latency(executor.answer(body)))
-    assert json.dumps(without_latency(static.answer(body))) == expected
+    assert json.dumps(without_latency(static.answer(body))) == expected  # dynamic meanwhile
+    assert static.settle() > 0  # the first sight of each signature started a build
     graphs = {graph for graph, _ in static.backend._slots}
-    assert graphs == {"lm_state", "lm_rows"}  # the passes really ran through fixed sessions
-    # the image size has now come back: its vision pass gets a fixed session too
+    assert graphs == {"lm_state", "lm_rows"}
+    calls = Counter()
+    for slot in static.backend._slots.values():
+        original = slot.session.run_with_iobinding
+
+        def counted(*args, _original=original):
+            calls["fixed"] += 1
+            return _original(*args)
+
+        slot.session.run_with_iobinding = counted
     assert json.dumps(without_latency(static.answer(body))) == expected
+    assert calls["fixed"] > 0  # the passes really ran through fixed sessions
+    # the image size has now come back: its vision pass gets a fixed session too
+    static.settle()
     assert "vision" in {graph for graph, _ in static.backend._slots}
+    assert json.dumps(without_latency(static.answer(body))) == expected
+    assert static.settle() == 0  # nothing new to build
     assert static.backend.name == "onnxruntime-cpu+static"
+
+
+def test_a_failed_fixed_shape_build_leaves_the_dynamic_session_answering(
+    engines, executor, monkeypatch
+):
+    from runtime.executor import load_engine
+
+    monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
+    static = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+
+    def refuse(graph, shapes):
+        raise RuntimeError("no memory for another session")
+
+    monkeypatch.setattr(static.backend, "_static_session", refuse)
+    image, mime = IMAGES["pattern.png"]
+    body = request_body(image, speed_bench_questions(2), mime)
+    expected = json.dumps(without_latency(executor.answer(body)))
+    assert json.dumps(without_latency(static.answer(body))) == expected
+    assert static.settle() > 0 and not static.backend._slots
+    assert json.dumps(without_latency(static.answer(body))) == expected
+    assert static.settle() == 0  # failed signatures are not tried again
 
 
 def test_batched_questions_answer_alike_on_the_cpu(executor, monkeypatch):

@@ -297,6 +297,18 @@ def test_operator_warm_up_requests_run_before_ready() -> None:
         assert post(server.url, decision()).status_code == 200
 
 
+def test_warm_up_repeats_once_background_sessions_have_settled() -> None:
+    """An engine that built fixed-shape sessions during the first round (the GPU default) gets
+    two more rounds after they settle, so that its CUDA graphs are captured before ready."""
+    engine = RealishEngine()
+    settled = []
+    engine.settle = lambda: settled.append(True) or 3  # three sessions were being built
+    with ThreadServer(engine, warm_ups=[decision()]) as server:
+        wait_ready(server.url)
+        assert settled == [True] and engine.finished == 2 * 3
+        assert engine.executed[1::2] == ["zeta"] * 3
+
+
 def test_a_failing_operator_warm_up_keeps_the_worker_unready() -> None:
     engine = RealishEngine()
     failing = decision({"bad": {"type": "noul", "instructions": FAIL}})

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,6 +196,11 @@ class GraphSlot:
     session: ort.InferenceSession
 
 
+def like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Persistent buffers shaped as these tensors (a slot's inputs or outputs)."""
+    return {name: torch.empty_like(t) for name, t in tensors.items()}
+
+
 def signature(feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> tuple:
     return tuple(
         (name, tuple(t.shape), t.dtype) for name, t in sorted({**feeds, **outputs}.items())
@@ -217,14 +223,21 @@ class OrtBackend:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         threads = threads or int(os.environ.get("OMNIJEV_ORT_THREADS", "0")) or None
+        # on by default on CUDA: the H200 measurement (docs/measurements/h200-2026-11-30b) gave
+        # answers identical to the dynamic sessions', byte for byte, and every workload faster
+        on_gpu = "1" if self.device.type == "cuda" else "0"
         if cuda_graphs is None:
-            # opt-in: replayed answers have not been checked on a GPU yet
-            cuda_graphs = os.environ.get("OMNIJEV_CUDA_GRAPHS", "0") == "1"
+            cuda_graphs = os.environ.get("OMNIJEV_CUDA_GRAPHS", on_gpu) == "1"
         folder = onnx_dir(engines_dir)
         self.max_pass_tokens = max_pass_tokens(folder)
         # one session per shape signature with its dimensions fixed, so that ONNX Runtime folds
         # the shape arithmetic that otherwise keeps nodes on the CPU and CUDA graphs off
-        self.static = os.environ.get("OMNIJEV_STATIC_SHAPES", "0") == "1"
+        self.static = os.environ.get("OMNIJEV_STATIC_SHAPES", on_gpu) == "1"
+        # those sessions are built in the background (1-1.5 s each on the 4b): a pass whose
+        # session is not ready yet runs in the dynamic session meanwhile, never waits for it
+        self._builder = ThreadPoolExecutor(1, "omnijev-static") if self.static else None
+        self._builds: dict[tuple, tuple[Future, dict, dict]] = {}
+        self._failed: set[tuple] = set()
         self._paths = {graph: str(folder / f"{graph}.onnx") for graph in GRAPHS}
         self._threads, self._cuda_graphs = threads, cuda_graphs
         self.weights = SharedWeights(self.device)
@@ -321,9 +334,13 @@ class OrtBackend:
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self._checked(graph, feeds)
-        fixed = self._fixed(graph, feeds)
-        if self.graphs_on[graph] or fixed:
-            self._replay(graph, feeds, outputs, fixed)
+        if self._fixed(graph, feeds):
+            slot = self._fixed_slot(graph, feeds, outputs)
+            if slot is not None:
+                self._replay(slot, feeds, outputs)
+                return
+        elif self.graphs_on[graph]:
+            self._replay(self._slot(graph, feeds, outputs), feeds, outputs)
             return
         binding = self.sessions[graph].io_binding()
         for name, tensor in feeds.items():
@@ -334,13 +351,48 @@ class OrtBackend:
             torch.cuda.current_stream(self.device).synchronize()
         self.sessions[graph].run_with_iobinding(binding)
 
-    def _static_session(self, graph: str, feeds: dict[str, torch.Tensor]) -> ort.InferenceSession:
-        """A session whose named dimensions are fixed to these feeds' sizes."""
+    def _fixed_slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot | None:
+        """This signature's fixed-shape slot; None while its session is being built (the build
+        starts on first sight) or when the build failed."""
+        key = (graph, signature(feeds, outputs))
+        slot = self._slots.get(key)
+        if slot is not None or key in self._failed:
+            return slot
+        if key not in self._builds:
+            shapes = {name: tuple(t.shape) for name, t in feeds.items()}
+            build = self._builder.submit(self._static_session, graph, shapes)
+            self._builds[key] = (build, like(feeds), like(outputs))
+            return None
+        if not self._builds[key][0].done():
+            return None
+        return self._install(key)
+
+    def _install(self, key: tuple) -> GraphSlot | None:
+        build, feeds, outputs = self._builds.pop(key)
+        try:
+            session = build.result()
+        except Exception as error:  # the dynamic session keeps answering this signature
+            log.warning("%s: no fixed-shape session: %s", key[0], error)
+            self._failed.add(key)
+            return None
+        return self._new_slot(key, session, feeds, outputs)
+
+    def settle(self) -> int:
+        """Waits for the fixed-shape sessions being built and installs them; how many."""
+        pending = list(self._builds)
+        for key in pending:
+            self._builds[key][0].exception()  # waits; errors are logged by _install
+            self._install(key)
+        return len(pending)
+
+    def _static_session(self, graph: str, shapes: dict[str, tuple]) -> ort.InferenceSession:
+        """A session whose named dimensions are fixed to these inputs' sizes (builder thread:
+        ONNX Runtime releases the GIL while it builds)."""
         fixed = {}
         for spec in self.sessions[graph].get_inputs():
-            if spec.name not in feeds:
+            if spec.name not in shapes:
                 continue
-            for dim, size in zip(spec.shape, feeds[spec.name].shape, strict=True):
+            for dim, size in zip(spec.shape, shapes[spec.name], strict=True):
                 if isinstance(dim, str) and fixed.setdefault(dim, size) != size:
                     raise ValueError(f"{graph}: dimension {dim} is both {fixed[dim]} and {size}")
         session, graphs = self._session(self._paths[graph], self._cuda_graphs, fixed)
@@ -348,30 +400,31 @@ class OrtBackend:
         self.static_graphs_on[graph] = self.static_graphs_on.get(graph, True) and graphs
         return session
 
-    def _slot(self, graph: str, feeds: dict, outputs: dict, fixed: bool) -> GraphSlot:
+    def _slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot:
+        """The dynamic session's CUDA-graph slot for this signature (made on first use)."""
         key = (graph, signature(feeds, outputs))
         slot = self._slots.get(key)
         if slot is None:
-            if len(self._slots) >= (MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS):
-                self._slots.pop(next(iter(self._slots)))  # the least recently created
-            session = self._static_session(graph, feeds) if fixed else self.sessions[graph]
-            binding = session.io_binding()
-            static_feeds = {n: torch.empty_like(t) for n, t in feeds.items()}
-            static_outputs = {n: torch.empty_like(t) for n, t in outputs.items()}
-            for name, tensor in static_feeds.items():
-                bind(binding, name, tensor, output=False)
-            for name, tensor in static_outputs.items():
-                bind(binding, name, tensor, output=True)
-            options = ort.RunOptions()
-            self._graph_ids += 1  # 0 is ORT's default id; never reused after an eviction
-            graph_id = self._graph_ids
-            options.add_run_config_entry("gpu_graph_id", str(graph_id))
-            slot = GraphSlot(graph_id, static_feeds, static_outputs, binding, options, session)
-            self._slots[key] = slot
+            slot = self._new_slot(key, self.sessions[graph], like(feeds), like(outputs))
         return slot
 
-    def _replay(self, graph: str, feeds: dict, outputs: dict, fixed: bool) -> None:
-        slot = self._slot(graph, feeds, outputs, fixed)
+    def _new_slot(self, key: tuple, session: ort.InferenceSession, feeds, outputs) -> GraphSlot:
+        """Persistent buffers bound to `session` under a graph id of their own."""
+        if len(self._slots) >= (MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS):
+            self._slots.pop(next(iter(self._slots)))  # the least recently created
+        binding = session.io_binding()
+        for name, tensor in feeds.items():
+            bind(binding, name, tensor, output=False)
+        for name, tensor in outputs.items():
+            bind(binding, name, tensor, output=True)
+        options = ort.RunOptions()
+        self._graph_ids += 1  # 0 is ORT's default id; never reused after an eviction
+        options.add_run_config_entry("gpu_graph_id", str(self._graph_ids))
+        slot = GraphSlot(self._graph_ids, feeds, outputs, binding, options, session)
+        self._slots[key] = slot
+        return slot
+
+    def _replay(self, slot: GraphSlot, feeds: dict, outputs: dict) -> None:
         for name, tensor in feeds.items():
             slot.feeds[name].copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
