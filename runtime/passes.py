@@ -23,6 +23,8 @@ TEXT_STEP = 16  # question-text and option length bucket
 # together moved a question's answer by up to 0.055 on the H200 in bfloat16 (4b, 20 questions
 # asked alone and together): the GPU's kernels follow the batch shape, and bfloat16 carries
 # their rounding into the answer. On the CPU and in float32 the batched answers happened to agree.
+# With this plan the same 20 questions gave the same bytes alone, together and reversed (4b, BF16,
+# H200, docs/measurements/h200-2026-11-30b).
 # OMNIJEV_QUESTION_BATCH (up to 16) batches that many questions a pass instead: fewer passes,
 # answers no longer invariant on the GPU in bfloat16.
 QUESTION_BATCH = 1
