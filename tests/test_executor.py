@@ -213,6 +213,31 @@ def test_a_failed_fixed_shape_build_leaves_the_dynamic_session_answering(
     assert static.settle() == 0  # failed signatures are not tried again
 
 
+def test_graph_sessions_replay_under_their_own_ids_while_fixed_ones_build(
+    engines, executor, monkeypatch
+):
+    """A dynamic session that took CUDA graphs (the vision graph can) answers under a graph id
+    per signature while that signature's fixed-shape session is still being built, never under
+    ONNX Runtime's default id (which would replay another shape's graph). On the CPU the ids are
+    ignored; the dispatch and the answers are what is checked."""
+    from runtime.executor import load_engine
+
+    monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
+    static = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+    static.backend.graphs_on["vision"] = True
+    static.prefix_cache.size = 0
+    image, mime = IMAGES["pattern.png"]
+    body = request_body(image, speed_bench_questions(1), mime)
+    expected = json.dumps(without_latency(executor.answer(body)))
+    for _ in range(2):  # the second sight of the size starts the vision session's build
+        assert json.dumps(without_latency(static.answer(body))) == expected
+    dynamic = [key for key in static.backend._slots if key[1][0] == "dynamic"]
+    assert [graph for graph, _ in dynamic] == ["vision"]  # one slot, reused for the size
+    static.settle()
+    assert json.dumps(without_latency(static.answer(body))) == expected
+    assert ("vision", dynamic[0][1][1]) in static.backend._slots  # now the fixed session's
+
+
 def test_batched_questions_answer_alike_on_the_cpu(executor, monkeypatch):
     """OMNIJEV_QUESTION_BATCH (fewer passes) still computes the same rows; on the CPU in float32
     the answers agree byte for byte (on the GPU in BF16 they need not: see runtime/passes.py)."""

@@ -339,7 +339,9 @@ class OrtBackend:
             if slot is not None:
                 self._replay(slot, feeds, outputs)
                 return
-        elif self.graphs_on[graph]:
+        if self.graphs_on[graph]:
+            # a graph-enabled session must never run without a graph id of its own: ORT would
+            # replay whatever it captured under the default id, whatever the shapes now
             self._replay(self._slot(graph, feeds, outputs), feeds, outputs)
             return
         binding = self.sessions[graph].io_binding()
@@ -401,8 +403,9 @@ class OrtBackend:
         return session
 
     def _slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot:
-        """The dynamic session's CUDA-graph slot for this signature (made on first use)."""
-        key = (graph, signature(feeds, outputs))
+        """The dynamic session's CUDA-graph slot for this signature (made on first use), apart
+        from the fixed-shape slot the same signature may get."""
+        key = (graph, ("dynamic", signature(feeds, outputs)))
         slot = self._slots.get(key)
         if slot is None:
             slot = self._new_slot(key, self.sessions[graph], like(feeds), like(outputs))
