@@ -1,14 +1,7 @@
 """Shared test helpers: the tiny synthetic checkpoint, written once per session, and safe copies.
 
-Use from a test module:
-
-    from tests.checkpoint_fixtures import tiny_export
-
-    @pytest.fixture(scope="session")
-    def export_dir(tmp_path_factory):
-        return tiny_export(tmp_path_factory)
-
-The export must not be modified; `copy_export` gives a private copy whose files may be rewritten.
+Test modules ask for the `export_dir` and `release_dir` fixtures of tests/conftest.py. The export
+must not be modified; `copy_export` gives a private copy whose files may be rewritten.
 """
 
 from __future__ import annotations

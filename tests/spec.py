@@ -19,3 +19,17 @@ ANSWER_FIELDS = {
     ],
     "score": ["score", "probabilities", "confidence", "latency_s", "latency_total_s"],
 }
+
+
+def rows_as_json(rows) -> list[dict]:
+    """Prepared rows (runtime.types.Row) as the fixtures' `rows` lists write them."""
+    return [
+        {
+            "tokens": list(row.tokens),
+            "zq": row.zq,
+            "u": row.u,
+            "targets": [list(target) for target in row.targets],
+            "first": row.first,
+        }
+        for row in rows
+    ]

@@ -37,20 +37,10 @@ from build_engines.merge import (
     restore_option_rows,
 )
 from runtime.cli import main
-from tests.checkpoint_fixtures import copy_export, rewrite, tiny_export, tiny_release
+from tests.checkpoint_fixtures import copy_export, rewrite
 from tests.spec import FIXTURES
 
 IMAGE_PAD, OPT, CLOSE = 248056, 248077, 248078
-
-
-@pytest.fixture(scope="session")
-def export_dir(tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def release_dir(tmp_path_factory) -> Path:
-    return tiny_release(tmp_path_factory)
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -24,12 +24,7 @@ from build_engines.export_format import (
     sha256_file,
 )
 from runtime.finish import Calibration
-from tests.checkpoint_fixtures import copy_export, rewrite, tiny_export
-
-
-@pytest.fixture(scope="session")
-def export_dir(tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory)
+from tests.checkpoint_fixtures import copy_export, rewrite
 
 
 @pytest.fixture

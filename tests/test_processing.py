@@ -29,7 +29,7 @@ from runtime.processing import (
 )
 from runtime.tokenizer import load_tokenizer
 from runtime.types import PreparedImage, Question, Request
-from tests.spec import FIXTURES
+from tests.spec import FIXTURES, rows_as_json
 
 
 def load_cases() -> list[dict]:
@@ -101,19 +101,6 @@ def expand(token_ids: list[int]) -> list[int]:
 
 def positions_sha256(positions: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(positions, dtype="<i8").tobytes()).hexdigest()
-
-
-def rows_as_json(rows) -> list[dict]:
-    return [
-        {
-            "tokens": list(row.tokens),
-            "zq": row.zq,
-            "u": row.u,
-            "targets": [list(target) for target in row.targets],
-            "first": row.first,
-        }
-        for row in rows
-    ]
 
 
 def assert_matches_fixture(prepared, case: dict) -> None:

@@ -25,8 +25,7 @@ from runtime.explain import explain
 from runtime.processing import prepare
 from runtime.strict_json import parse_body
 from runtime.types import QuestionReadout
-from tests.checkpoint_fixtures import tiny_export
-from tests.spec import ANSWER_FIELDS, FIXTURES
+from tests.spec import ANSWER_FIELDS, FIXTURES, rows_as_json
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = pattern_png(320, 224)  # smart resize keeps 320×224: grid [1, 14, 20], 70 image tokens
@@ -55,11 +54,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def export_dir(tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -176,17 +170,7 @@ def test_layout_and_input_tokens_equal_explain(reference, questions):
     assert layout.prefix_length == explained["prefix_length"]
     assert layout.input_tokens == explained["input_tokens"]
     for rows, question in zip(layout.rows, explained["questions"], strict=True):
-        got = [
-            {
-                "tokens": list(r.tokens),
-                "zq": r.zq,
-                "u": r.u,
-                "targets": [list(t) for t in r.targets],
-                "first": r.first,
-            }
-            for r in rows
-        ]
-        assert got == question["rows"]
+        assert rows_as_json(rows) == question["rows"]
     # The prefix positions MSO1 computes, and the rows continuing at p0, are preparation's.
     length = layout.prefix_length
     ids = torch.tensor([prepared.layouts[0].token_ids[:length]])
