@@ -21,7 +21,7 @@ FORMAT = "omnijev-engines/1"
 MANIFEST = trt_build.MANIFEST
 ONNX_ORT = "onnx_ort"  # runtime.backends.ort.ONNX_DIR
 ONNX_TRT = trt_build.ONNX_TRT
-VARIANTS = {ONNX_ORT: ("ort", "std"), ONNX_TRT: ("std", None)}  # dir -> (gdn, readout)
+GDN = {ONNX_ORT: "ort", ONNX_TRT: "std"}  # the Gated DeltaNet form of each variant directory
 EXPORT_MANIFEST = "omnijev_export.json"  # the checkpoint's own manifest (contract.md §8.2)
 # Small, distinct pass sizes for the check (distinct so a swapped axis shows); T ≤ 64 fits the
 # standard-op GDN graph too.
@@ -46,7 +46,7 @@ def export_variant(
 ) -> dict:
     from build_engines.onnx_export import export_onnx
 
-    gdn = VARIANTS[variant][0]
+    gdn = GDN[variant]
     started = time.perf_counter()
     export_onnx(checkpoint, engine_dir / variant, dtype=dtype, gdn=gdn, readout=readout)
     return {
@@ -71,7 +71,31 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max()) / scale
 
 
-def check_inputs(checkpoint: Path, graph: str, dtype: str) -> tuple:
+class CheckModules:
+    """The export modules the check compares against, each loaded once for every variant and
+    graph (the language pass serves both language graphs: only `return_state` differs)."""
+
+    def __init__(self, checkpoint: Path, dtype: str):
+        self.checkpoint, self.dtype = checkpoint, dtype
+        self._tower = self._language = None
+
+    def tower(self):
+        from build_engines.weights import DTYPES, load_vision_tower
+
+        if self._tower is None:
+            self._tower, _ = load_vision_tower(self.checkpoint, DTYPES[self.dtype])
+        return self._tower
+
+    def language(self, return_state: bool):
+        from build_engines.weights import DTYPES, load_language_pass
+
+        if self._language is None:
+            self._language = load_language_pass(self.checkpoint, DTYPES[self.dtype])
+        self._language.return_state = return_state
+        return self._language
+
+
+def check_inputs(modules: CheckModules, graph: str) -> tuple:
     """(module, positional args, ONNX feeds by name, output names) for one small pass."""
     import torch
 
@@ -81,20 +105,18 @@ def check_inputs(checkpoint: Path, graph: str, dtype: str) -> tuple:
         lm_output_names,
         vision_example,
     )
-    from build_engines.weights import DTYPES, load_language_pass, load_vision_tower, read_config
+    from build_engines.weights import DTYPES, read_config
 
     torch.manual_seed(CHECK_SEED)  # example_lm_feeds draws token ids from the global generator
-    config = read_config(checkpoint)
-    torch_dtype = DTYPES[dtype]
+    config = read_config(modules.checkpoint)
+    torch_dtype = DTYPES[modules.dtype]
     if graph == "vision":
-        module, _ = load_vision_tower(checkpoint, torch_dtype)
         args = vision_example(config, torch_dtype)
         names = ["pixel_values", "pos_embeds", "cos", "sin"]
-        return module, args, dict(zip(names, args, strict=True)), ["image_features"]
+        return modules.tower(), args, dict(zip(names, args, strict=True)), ["image_features"]
     state = graph == "lm_state"
-    module = load_language_pass(checkpoint, torch_dtype, return_state=state)
     feeds = example_lm_feeds(config, torch_dtype, CHECK_SIZES)
-    return module, lm_args(feeds, config), feeds, lm_output_names(config, state)
+    return modules.language(state), lm_args(feeds, config), feeds, lm_output_names(config, state)
 
 
 def numpy_of(tensor) -> np.ndarray:
@@ -107,7 +129,7 @@ def numpy_of(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def check_graph(checkpoint: Path, onnx_path: Path, graph: str, dtype: str) -> dict:
+def check_graph(modules: CheckModules, onnx_path: Path, graph: str) -> dict:
     """One small pass in an ONNX Runtime CPU session against the export module."""
     import onnxruntime as ort
     import torch
@@ -115,7 +137,8 @@ def check_graph(checkpoint: Path, onnx_path: Path, graph: str, dtype: str) -> di
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    module, args, feeds, names = check_inputs(checkpoint, graph, dtype)
+    module, args, feeds, names = check_inputs(modules, graph)
+    dtype = modules.dtype
     wanted = {i.name for i in session.get_inputs()}
     ort_feeds = {name: numpy_of(value) for name, value in feeds.items() if name in wanted}
     got = dict(zip(names, session.run(names, ort_feeds), strict=True))
@@ -145,7 +168,7 @@ def custom_domains(onnx_path: Path) -> list[str]:
     return sorted({node.domain for node in graph.node if node.domain not in ("", "ai.onnx")})
 
 
-def check_variant(checkpoint: Path, engine_dir: Path, variant: str, dtype: str) -> dict:
+def check_variant(modules: CheckModules, engine_dir: Path, variant: str) -> dict:
     """Every graph of a variant that ONNX Runtime can run; custom-node graphs are noted."""
     results = {}
     for graph in trt_build.GRAPHS:
@@ -154,7 +177,7 @@ def check_variant(checkpoint: Path, engine_dir: Path, variant: str, dtype: str) 
         if domains:
             results[graph] = {"skipped": f"custom domain {', '.join(domains)}: no ORT kernel"}
             continue
-        results[graph] = check_graph(checkpoint, onnx_path, graph, dtype)
+        results[graph] = check_graph(modules, onnx_path, graph)
     return results
 
 
@@ -195,7 +218,9 @@ def build_engines(
     onnx = {ONNX_ORT: export_variant(checkpoint, engine_dir, ONNX_ORT, dtype, "std")}
     if plans:  # the standard-op variant only feeds the plans
         onnx[ONNX_TRT] = export_variant(checkpoint, engine_dir, ONNX_TRT, dtype, readout)
-    checks = {variant: check_variant(checkpoint, engine_dir, variant, dtype) for variant in onnx}
+    modules = CheckModules(checkpoint, dtype)
+    checks = {variant: check_variant(modules, engine_dir, variant) for variant in onnx}
+    del modules  # the weights are not needed for the plans
     manifest = {
         "format": FORMAT,
         "dtype": dtype,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.finish import Calibration
 from runtime.heads import head_shapes
 
 FORMAT = "omnijev-merged/1"
@@ -58,18 +59,6 @@ IGNORED_LANGUAGE = ("lm_head.", "mtp.")  # tied output projection; multi-token p
 
 class ExportError(ValueError):
     """An export directory that the worker would refuse to load."""
-
-
-try:  # the runtime's calibration, so that loaders and finishing share one type
-    from runtime.finish import Calibration
-except ImportError:  # runtime/finish.py not written yet: same fields
-
-    @dataclass(frozen=True)
-    class Calibration:
-        """Calibration of contract.md §7.1: one temperature per type and the Noul bias."""
-
-        temperatures: dict[str, float]
-        noul_bias: float
 
 
 @dataclass(frozen=True)

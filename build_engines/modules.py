@@ -204,7 +204,6 @@ class VisionTower(nn.Module):
         super().__init__()
         vc = vision_config
         dim, self.merge = vc["hidden_size"], vc["spatial_merge_size"]
-        patch = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(
             vc["in_channels"],
@@ -212,7 +211,6 @@ class VisionTower(nn.Module):
             (vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]),
             stride=(vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]),
         )
-        self.patch_size = patch
         self.blocks = nn.ModuleList(
             VisionBlock(dim, vc["num_heads"], vc["intermediate_size"]) for _ in range(vc["depth"])
         )
@@ -554,7 +552,7 @@ class LanguagePass(nn.Module):
                 f"{READOUT_VARIANTS}; got {gdn!r}, {readout!r}"
             )
         tc = config["text_config"]
-        self.return_state, self.gdn, self.readout = return_state, gdn, readout
+        self.return_state, self.readout = return_state, readout
         self.image_token_id = config["image_token_id"]
         self.layer_types = list(tc["layer_types"])
         self.embed_tokens = nn.Embedding(vocab or tc["vocab_size"], tc["hidden_size"])

@@ -170,7 +170,3 @@ def meta_model(preset_or_config: str | Qwen3_5Config) -> Qwen3_5ForConditionalGe
         config = build_config(config)
     with torch.device("meta"):
         return Qwen3_5ForConditionalGeneration(config)
-
-
-def hidden_size(preset: str) -> int:
-    return config_kwargs(preset)["text_config"]["hidden_size"]

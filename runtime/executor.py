@@ -159,14 +159,15 @@ class Executor:
         work = plan(prepared)
         clock = Stopwatch(self.stages)
         with torch.inference_mode():
-            key = prefix_key(prepared, work)
-            cached = self.prefix_cache.get(key)
+            key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None
+            cached = self.prefix_cache.get(key) if key is not None else None
             if cached is None:
                 features = self.vision(prepared)
                 clock.lap("vision")
                 prefix, prefix_state = self.run_prefix(work, features)
                 clock.lap("prefix")
-                self.prefix_cache.put(key, (prefix, prefix_state))
+                if key is not None:
+                    self.prefix_cache.put(key, (prefix, prefix_state))
             else:
                 prefix, prefix_state = cached
                 clock.lap("vision")
@@ -207,14 +208,16 @@ class Executor:
         feeds = dict(self.vision_tables(tuple(int(x) for x in image.grid_thw)))
         feeds["pixel_values"] = self.tensor(image.pixel_values, dtypes["pixel_values"])
         rows = image.image_tokens
-        out = torch.empty(rows, self.dims.hidden, dtype=self._lm_dtypes["image_features"])
-        outputs = {self.output_name("vision", "image_features"): out.to(self.device)}
-        self.backend.run("vision", feeds, outputs)
-        features = next(iter(outputs.values()))
         # zero rows up to the prefix's bucket: the pass takes image rows in order, so the extra
         # rows are never read, and the prefix pass's shapes repeat across image sizes
-        extra = bucket(rows, PREFIX_STEP) - rows
-        return torch.cat([features, features.new_zeros(extra, features.shape[1])])
+        dtype = self._lm_dtypes["image_features"]
+        features = torch.zeros(
+            bucket(rows, PREFIX_STEP), self.dims.hidden, dtype=dtype, device=self.device
+        )
+        self.backend.run(
+            "vision", feeds, {self.output_name("vision", "image_features"): features[:rows]}
+        )
+        return features
 
     def vision_tables(self, grid: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
@@ -340,8 +343,12 @@ class Executor:
         arrays = rows.arrays()
         hidden = torch.empty(len(arrays["read_rows"]), self.dims.hidden, device=self.device)
         logprobs = torch.empty(len(arrays["target_rows"]), device=self.device)
-        own_k: list[list[torch.Tensor]] = [[] for _ in range(self.dims.attention_layers)]
-        own_v: list[list[torch.Tensor]] = [[] for _ in range(self.dims.attention_layers)]
+        index = torch.as_tensor(rows.src, device=self.device)
+        lengths = torch.as_tensor(rows.lengths, device=self.device)
+        # each row's source past, gathered once: every later piece reads it before its own tokens
+        own_k = [[src.k[i][index]] for i in range(self.dims.attention_layers)]
+        own_v = [[src.v[i][index]] for i in range(self.dims.attention_layers)]
+        past_mask = src.mask[index]
         state, image_rows, out = src, 0, {}
         for start in range(0, t, limit):
             piece = slice_pass(rows, start, min(t, start + limit))
@@ -354,31 +361,25 @@ class Executor:
             for i in range(self.dims.attention_layers):
                 own_k[i].append(out[f"out_k.{i}"])
                 own_v[i].append(out[f"out_v.{i}"])
-            state = self.continued(src, rows, own_k, own_v, out, start + piece.shape[1])
+            done = start + piece.shape[1]
+            if done < t:
+                own_mask = torch.arange(done, device=self.device)[None, :] < lengths[:, None]
+                state = State(
+                    k=[torch.cat(parts, dim=2) for parts in own_k],
+                    v=[torch.cat(parts, dim=2) for parts in own_v],
+                    mask=torch.cat([past_mask, own_mask], dim=1),
+                    conv=[out[f"out_conv.{j}"] for j in range(self.dims.delta_layers)],
+                    rec=[out[f"out_rec.{j}"] for j in range(self.dims.delta_layers)],
+                )
         result = {"hidden": hidden, "logprobs": logprobs}
         if with_state:
             for i in range(self.dims.attention_layers):
-                result[f"out_k.{i}"] = torch.cat(own_k[i], dim=2)
-                result[f"out_v.{i}"] = torch.cat(own_v[i], dim=2)
+                result[f"out_k.{i}"] = torch.cat(own_k[i][1:], dim=2)
+                result[f"out_v.{i}"] = torch.cat(own_v[i][1:], dim=2)
             for j in range(self.dims.delta_layers):
                 result[f"out_conv.{j}"] = out[f"out_conv.{j}"]
                 result[f"out_rec.{j}"] = out[f"out_rec.{j}"]
         return result
-
-    def continued(
-        self, src: State, rows: Pass, own_k: list, own_v: list, out: dict, done: int
-    ) -> State:
-        """Per-row past for the next piece: the rows' source past, then their own tokens so far."""
-        index = torch.as_tensor(rows.src, device=self.device)
-        lengths = torch.as_tensor(rows.lengths, device=self.device)
-        own_mask = torch.arange(done, device=self.device)[None, :] < lengths[:, None]
-        return State(
-            k=[torch.cat([src.k[i][index], *own_k[i]], dim=2) for i in range(len(own_k))],
-            v=[torch.cat([src.v[i][index], *own_v[i]], dim=2) for i in range(len(own_v))],
-            mask=torch.cat([src.mask[index], own_mask], dim=1),
-            conv=[out[f"out_conv.{j}"] for j in range(self.dims.delta_layers)],
-            rec=[out[f"out_rec.{j}"] for j in range(self.dims.delta_layers)],
-        )
 
     def state_from(self, out: dict[str, torch.Tensor], rows: Pass) -> State:
         d = self.dims

@@ -109,7 +109,7 @@ def linked_engines(engines: Path, base: Path) -> None:
     (own / "onnx_export.json").write_text(json.dumps(description, indent=1))
 
 
-def build(preset: str, dtypes: tuple[str, ...], graphs_for: dict[str, tuple[str, ...]]) -> dict:
+def build(preset: str, dtypes: tuple[str, ...]) -> dict:
     from build_engines.checkpoints import make_checkpoint, release_path
     from build_engines.onnx_export import export_onnx
 
@@ -133,7 +133,7 @@ def build(preset: str, dtypes: tuple[str, ...], graphs_for: dict[str, tuple[str,
                 dtype=dtype,
                 gdn=gdn,
                 readout="std",
-                graphs=graphs_for.get(name, graphs),
+                graphs=graphs,
                 attention=attention,
             )
             times[f"onnx_{name}_s"] = time.perf_counter() - start
@@ -150,7 +150,7 @@ def tiny() -> None:
     from runtime import bench
     from runtime.executor import load_engine
 
-    report = {"environment": environment(), "build": build("tiny", ("float32",), {})}
+    report = {"environment": environment(), "build": build("tiny", ("float32",))}
     export, engines = WORK / "tiny-export", WORK / "tiny-float32"
     reference = Reference(export, dtype="float32", device=DEVICE)
     for name in ("dynamic", "static+graphs"):
@@ -220,7 +220,7 @@ def invariance_bf16() -> None:
 
     from runtime.executor import load_engine
 
-    report = {"environment": environment(), "build": build("tiny", ("bfloat16",), {})}
+    report = {"environment": environment(), "build": build("tiny", ("bfloat16",))}
     export, engines = WORK / "tiny-export", WORK / "tiny-bfloat16"
     for name in ("dynamic", "static+graphs"):
         configure(VARIANTS[name][1])
@@ -238,7 +238,7 @@ def invariance_bf16() -> None:
 def build4b() -> None:
     """The 4b export, then its ONNX files (bfloat16, float32, bfloat16 standard-op) and the tiny
     GPU run side by side (each export is mostly one CPU thread; the machine has sixteen)."""
-    times = build(BIG, (), {})
+    times = build(BIG, ())
     started = time.perf_counter()
     jobs = {
         name: subprocess.Popen([sys.executable, "-u", __file__, *args])
@@ -269,7 +269,7 @@ def build4b() -> None:
 
 def onnx4b() -> None:
     dtype = sys.argv[2]
-    save(f"onnx4b-{dtype}.json", build(BIG, (dtype,), {}))
+    save(f"onnx4b-{dtype}.json", build(BIG, (dtype,)))
 
 
 # the configurations timed side by side: (engines, settings). The default; the vision tower with
@@ -454,7 +454,7 @@ def parity4b() -> None:
     from runtime import bench
     from runtime.executor import load_engine
 
-    times = build(BIG, ("float32",), {})
+    times = build(BIG, ("float32",))
     export, engines = WORK / f"{BIG}-export", WORK / f"{BIG}-float32"
     executor = load_engine(str(export), str(engines), "onnxruntime")
     reference = Reference(export, dtype="float32", device=DEVICE)

@@ -46,15 +46,12 @@ def test_engine_limit_is_read_from_the_variant(executors):
 
 
 def test_split_passes_agree_with_one_pass(executors):
-    from runtime.contract import compile_request
-    from runtime.processing import prepare
-
     fused, std = executors
     body = long_request()
     result = compare(fused.answer(body), std.answer(body))
     assert result["input_tokens_equal"] and not result["flips"]
     assert max(result["differences"]) <= 1.0001e-4
-    prepared = prepare(compile_request(json.loads(body)), fused.tokenizer)
+    prepared = fused.prepare(json.loads(body))
     for a, b in zip(fused.readouts(prepared), std.readouts(prepared), strict=True):
         assert np.allclose(a.zq, b.zq, atol=1e-3)
         assert np.allclose(a.u, b.u, atol=1e-3)

@@ -22,10 +22,11 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from runtime.backends import GRAPHS
+
 log = logging.getLogger("omnijev.ort")
 
 ONNX_DIR = "onnx_ort"  # the ONNX Runtime variant inside an engine directory
-GRAPHS = ("vision", "lm_state", "lm_rows")
 MAX_CUDA_GRAPHS = 64  # shape signatures kept; each holds its own buffers
 MAX_STATIC_SESSIONS = 12  # fixed-shape sessions kept; each holds its own activation arena
 # the language-model passes are bucketed (runtime.passes), so their shapes repeat at once
@@ -38,7 +39,6 @@ SEEN_SIZES = 1024  # image sizes remembered for that count; forgotten all at onc
 # initializers at least this large are read once and shared by every session; small constants
 # stay in the graphs, where ONNX Runtime folds them and places shape arithmetic
 SHARED_BYTES = 1 << 20
-BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
 # on CUDA the graphs' CPU nodes are shape arithmetic: one thread, not spinning, so that ORT's
 # pools (one per session, a thread per core by default) leave the host's cores to preparation
 # and the heads between passes
@@ -71,7 +71,7 @@ ONNX_TO_TORCH = {
 
 def element_type(dtype: torch.dtype) -> type | int:
     if dtype == torch.bfloat16:
-        return BFLOAT16  # numpy has no bfloat16; IOBinding takes ONNX's element type number
+        return onnx.TensorProto.BFLOAT16  # numpy has no bfloat16; IOBinding takes ONNX's number
     return TORCH_TO_NUMPY[dtype]
 
 
@@ -110,6 +110,17 @@ def bind(binding: ort.IOBinding, name: str, tensor: torch.Tensor, output: bool) 
         list(tensor.shape),
         tensor.data_ptr(),
     )
+
+
+def io_binding(
+    session: ort.InferenceSession, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+) -> ort.IOBinding:
+    binding = session.io_binding()
+    for name, tensor in feeds.items():
+        bind(binding, name, tensor, output=False)
+    for name, tensor in outputs.items():
+        bind(binding, name, tensor, output=True)
+    return binding
 
 
 def external_fields(initializer: onnx.TensorProto) -> dict[str, str]:
@@ -316,14 +327,14 @@ class OrtBackend:
             used[name] = tensor.contiguous()
         return used
 
-    def _fixed(self, graph: str, feeds: dict[str, torch.Tensor]) -> bool:
-        """Whether this pass runs in a session with its dimensions fixed."""
+    def _fixed(self, graph: str, shapes: tuple) -> bool:
+        """Whether this pass (of this `signature`) runs in a session with its dimensions fixed."""
         if not self.static:
             return False
         if graph in STATIC_GRAPHS:
             return True
         if graph in REPEATED_GRAPHS:
-            key = (graph, tuple((n, tuple(t.shape)) for n, t in sorted(feeds.items())))
+            key = (graph, shapes)
             if key not in self._seen and len(self._seen) >= SEEN_SIZES:
                 self._seen.clear()
             self._seen[key] += 1
@@ -334,35 +345,34 @@ class OrtBackend:
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self._checked(graph, feeds)
-        if self._fixed(graph, feeds):
-            slot = self._fixed_slot(graph, feeds, outputs)
+        shapes = signature(feeds, outputs)
+        if self._fixed(graph, shapes):
+            slot = self._fixed_slot(graph, shapes, feeds, outputs)
             if slot is not None:
                 self._replay(slot, feeds, outputs)
                 return
         if self.graphs_on[graph]:
             # a graph-enabled session must never run without a graph id of its own: ORT would
             # replay whatever it captured under the default id, whatever the shapes now
-            self._replay(self._slot(graph, feeds, outputs), feeds, outputs)
+            self._replay(self._slot(graph, shapes, feeds, outputs), feeds, outputs)
             return
-        binding = self.sessions[graph].io_binding()
-        for name, tensor in feeds.items():
-            bind(binding, name, tensor, output=False)
-        for name, tensor in outputs.items():
-            bind(binding, name, tensor, output=True)
+        binding = io_binding(self.sessions[graph], feeds, outputs)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.sessions[graph].run_with_iobinding(binding)
 
-    def _fixed_slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot | None:
+    def _fixed_slot(
+        self, graph: str, shapes: tuple, feeds: dict, outputs: dict
+    ) -> GraphSlot | None:
         """This signature's fixed-shape slot; None while its session is being built (the build
         starts on first sight) or when the build failed."""
-        key = (graph, signature(feeds, outputs))
+        key = (graph, shapes)
         slot = self._slots.get(key)
         if slot is not None or key in self._failed:
             return slot
         if key not in self._builds:
-            shapes = {name: tuple(t.shape) for name, t in feeds.items()}
-            build = self._builder.submit(self._static_session, graph, shapes)
+            sizes = {name: tuple(t.shape) for name, t in feeds.items()}
+            build = self._builder.submit(self._static_session, graph, sizes)
             self._builds[key] = (build, like(feeds), like(outputs))
             return None
         if not self._builds[key][0].done():
@@ -402,10 +412,10 @@ class OrtBackend:
         self.static_graphs_on[graph] = self.static_graphs_on.get(graph, True) and graphs
         return session
 
-    def _slot(self, graph: str, feeds: dict, outputs: dict) -> GraphSlot:
+    def _slot(self, graph: str, shapes: tuple, feeds: dict, outputs: dict) -> GraphSlot:
         """The dynamic session's CUDA-graph slot for this signature (made on first use), apart
         from the fixed-shape slot the same signature may get."""
-        key = (graph, ("dynamic", signature(feeds, outputs)))
+        key = (graph, ("dynamic", shapes))
         slot = self._slots.get(key)
         if slot is None:
             slot = self._new_slot(key, self.sessions[graph], like(feeds), like(outputs))
@@ -415,11 +425,7 @@ class OrtBackend:
         """Persistent buffers bound to `session` under a graph id of their own."""
         if len(self._slots) >= (MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS):
             self._slots.pop(next(iter(self._slots)))  # the least recently created
-        binding = session.io_binding()
-        for name, tensor in feeds.items():
-            bind(binding, name, tensor, output=False)
-        for name, tensor in outputs.items():
-            bind(binding, name, tensor, output=True)
+        binding = io_binding(session, feeds, outputs)
         options = ort.RunOptions()
         self._graph_ids += 1  # 0 is ORT's default id; never reused after an eviction
         options.add_run_config_entry("gpu_graph_id", str(self._graph_ids))
