@@ -17,32 +17,24 @@ import torch
 from safetensors.torch import save_file
 
 from build_engines import presets
-from build_engines.export_format import head_shapes, sha256_file
-
-RELEASE = "v1.1"
-BASE_DIR = "base"
-CHECKPOINT_DIR = "checkpoint"
-RELEASE_MANIFEST = "release_manifest.json"
-# The files the export checks against the release manifest (contract.md §8.1 step 2).
-RELEASE_FILES = (
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "chat_template.jinja",
-    "head.pt",
-    "head_meta.json",
-    "new_tok_emb.pt",
-    "ord.pt",
-    "processor_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
+from build_engines.merge import merge_release
+from build_engines.release import (
+    BASE_DIR,
+    CHECKPOINT_DIR,
+    LORA_ALPHA,
+    LORA_RANK,
+    RELEASE,
+    RELEASE_FILES,
+    RELEASE_MANIFEST,
+    write_json,
 )
+from runtime.export_format import head_shapes, sha256_file
+
 # Largest base shard: HF's 5 GB gives the real base's two shards; the tiny one gets two as well
 # (the 31.8 MB embedding alone, then the rest) so the shard path is exercised.
 SHARD_BYTES = {"tiny": 16_000_000, "4b": 5_000_000_000}
 EXPORT_SHARD = {"tiny": "16MB", "4b": "5GB"}  # max_shard_size of the merged language model
 
-LORA_RANK = 32  # contract.md §8.2
-LORA_ALPHA = 64
 # Modules the real adapter covers, inferred from its byte count (model.md §7.3).
 LORA_TARGETS = (
     "down_proj",
@@ -211,11 +203,6 @@ def plan_shards(entries: list, limit: int) -> list[list[tuple[str, tuple[int, ..
 def shard_name(index: int, count: int) -> str:
     """The real base's shard names (contract.md §8.1 step 3)."""
     return f"model.safetensors-{index:05d}-of-{count:05d}.safetensors"
-
-
-def write_json(path: Path, value: dict, indent: int = 2) -> None:
-    text = json.dumps(value, indent=indent, ensure_ascii=False, allow_nan=False)
-    path.write_text(text + "\n", "utf-8")
 
 
 def write_base(config, seed: int, base_dir: Path, shard_bytes: int) -> None:
@@ -400,8 +387,6 @@ def release_path(export_dir: Path) -> Path:
 
 def make_checkpoint(preset: str, seed: int, out_dir: str | Path, merge: bool = True) -> Path:
     """A synthetic export at `out_dir` (release beside it), or with merge=False the release."""
-    from build_engines.merge import merge_release
-
     out = Path(out_dir)
     if not merge:
         return make_release(preset, seed, out)

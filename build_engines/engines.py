@@ -16,11 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from build_engines import trt_build
+from runtime import manifest as manifests
+from runtime.constants import GRAPHS
 
 FORMAT = "omnijev-engines/1"
-MANIFEST = trt_build.MANIFEST
+MANIFEST = manifests.MANIFEST
 ONNX_ORT = "onnx_ort"  # runtime.backends.ort.ONNX_DIR
-ONNX_TRT = trt_build.ONNX_TRT
+ONNX_TRT = manifests.ONNX_TRT
 GDN = {ONNX_ORT: "ort", ONNX_TRT: "std"}  # the Gated DeltaNet form of each variant directory
 EXPORT_MANIFEST = "omnijev_export.json"  # the checkpoint's own manifest (contract.md §8.2)
 # Small, distinct pass sizes for the check (distinct so a swapped axis shows); T ≤ 64 fits the
@@ -36,8 +38,8 @@ def variant_files(engine_dir: Path, variant: str) -> dict:
     folder = engine_dir / variant
     files = {}
     for onnx_path in sorted(folder.glob("*.onnx")):
-        for path in trt_build.onnx_files(onnx_path):
-            files[path.relative_to(engine_dir).as_posix()] = trt_build.file_record(path)
+        for path in manifests.onnx_files(onnx_path):
+            files[path.relative_to(engine_dir).as_posix()] = manifests.file_record(path)
     return files
 
 
@@ -80,14 +82,16 @@ class CheckModules:
         self._tower = self._language = None
 
     def tower(self):
-        from build_engines.weights import DTYPES, load_vision_tower
+        from runtime.constants import DTYPES
+        from runtime.model.weights import load_vision_tower
 
         if self._tower is None:
             self._tower, _ = load_vision_tower(self.checkpoint, DTYPES[self.dtype])
         return self._tower
 
     def language(self, return_state: bool):
-        from build_engines.weights import DTYPES, load_language_pass
+        from runtime.constants import DTYPES
+        from runtime.model.weights import load_language_pass
 
         if self._language is None:
             self._language = load_language_pass(self.checkpoint, DTYPES[self.dtype])
@@ -105,7 +109,8 @@ def check_inputs(modules: CheckModules, graph: str) -> tuple:
         lm_output_names,
         vision_example,
     )
-    from build_engines.weights import DTYPES, read_config
+    from runtime.constants import DTYPES
+    from runtime.model.weights import read_config
 
     torch.manual_seed(CHECK_SEED)  # example_lm_feeds draws token ids from the global generator
     config = read_config(modules.checkpoint)
@@ -171,7 +176,7 @@ def custom_domains(onnx_path: Path) -> list[str]:
 def check_variant(modules: CheckModules, engine_dir: Path, variant: str) -> dict:
     """Every graph of a variant that ONNX Runtime can run; custom-node graphs are noted."""
     results = {}
-    for graph in trt_build.GRAPHS:
+    for graph in GRAPHS:
         onnx_path = engine_dir / variant / f"{graph}.onnx"
         domains = [d for d in custom_domains(onnx_path) if d != "com.microsoft"]
         if domains:
@@ -211,7 +216,7 @@ def build_engines(
     checkpoint, engine_dir = Path(checkpoint_dir), Path(out_dir)
     engine_dir.mkdir(parents=True, exist_ok=True)
     (engine_dir / MANIFEST).unlink(missing_ok=True)  # no stale manifest over new files
-    trt = trt_build.import_library()
+    trt = manifests.import_library()
     if plans and trt is None:
         raise RuntimeError("no tensorrt or tensorrt_rtx importable; use --skip-plans")
     readout, reason = trt_build.trt_readout(trt)
@@ -269,6 +274,6 @@ def cli_engines(args) -> int:
         plans=not getattr(args, "skip_plans", False),
         timing_cache=getattr(args, "timing_cache", None),
     )
-    for line in summary(trt_build.read_manifest(engine_dir)):
+    for line in summary(manifests.read_manifest(engine_dir)):
         print(line)
     return 0

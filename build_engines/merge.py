@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from build_engines.checkpoints import (
+from build_engines.release import (
     BASE_DIR,
     CHECKPOINT_DIR,
     LORA_ALPHA,
@@ -28,7 +28,7 @@ from build_engines.checkpoints import (
     RELEASE_MANIFEST,
     write_json,
 )
-from build_engines.export_format import (
+from runtime.export_format import (
     FORMAT,
     HEADS,
     HEADS_META,

@@ -17,17 +17,13 @@ import onnx_ir as ir
 import torch
 from torch.export import Dim
 
-from build_engines.modules import (
-    ATTENTION_VARIANTS,
-    GDN_VARIANTS,
-    READOUT_VARIANTS,
-    STD_MAX_TOKENS,
-    LanguagePass,
-)
-from build_engines.weights import DTYPES, load_language_pass, load_vision_tower, read_config
 from plugins.readout import DOMAIN, GEMM_OPSET
+from runtime.constants import DTYPES, GRAPHS, MODEL_DTYPES
+from runtime.model.gdn import GDN_VARIANTS, STD_MAX_TOKENS
+from runtime.model.language import READOUT_VARIANTS, LanguagePass
+from runtime.model.vision import ATTENTION_VARIANTS
+from runtime.model.weights import load_language_pass, load_vision_tower, read_config
 
-GRAPHS = ("vision", "lm_state", "lm_rows")
 MANIFEST = "onnx_export.json"
 FORMAT = "omnijev-onnx/1"
 OPSET = GEMM_OPSET  # 18: LayerNormalization and RMSNorm are written out, nothing newer needed
@@ -315,7 +311,7 @@ def export_onnx(
     MultiHeadAttention (the default with gdn="ort"). readout="plugin" emits the
     `omnijev::TokenLogProbs` node for TensorRT."""
     attention = attention or ("ort" if gdn == "ort" else "std")
-    if dtype not in DTYPES or gdn not in GDN_VARIANTS or readout not in READOUT_VARIANTS:
+    if dtype not in MODEL_DTYPES or gdn not in GDN_VARIANTS or readout not in READOUT_VARIANTS:
         raise ValueError(f"dtype {dtype!r}, gdn {gdn!r} or readout {readout!r} is not known")
     if attention not in ATTENTION_VARIANTS:
         raise ValueError(f"attention {attention!r} is not known")

@@ -18,10 +18,6 @@ input and plan.
 from __future__ import annotations
 
 import hashlib
-import importlib
-import json
-import os
-import re
 import time
 import warnings
 from pathlib import Path
@@ -30,20 +26,25 @@ from types import ModuleType
 import numpy as np
 import onnx
 
+from runtime.constants import GRAPHS
+from runtime.manifest import (
+    DIM,
+    ONNX_TRT,
+    PLANS_DIR,
+    PLUGIN_DEFAULT,
+    PLUGIN_ENV,
+    SHA_SUFFIX,
+    TIMING_CACHE,
+    file_record,
+    is_rtx,
+    library_name,
+    onnx_files,
+    plugin_library,
+)
+
 # Modules tried in order: full TensorRT, then TensorRT-RTX. The cu13 bindings wheel installs
 # RTX as `tensorrt_rtx_bindings`; the `tensorrt-rtx` meta package adds `tensorrt_rtx`.
-LIBRARIES = ("tensorrt", "tensorrt_rtx", "tensorrt_rtx_bindings")
-RTX = "tensorrt_rtx"
-FULL = "tensorrt"
-GRAPHS = ("vision", "lm_state", "lm_rows")
-ONNX_TRT = "onnx_trt"  # the variant the plans are built from (gdn="std")
-PLANS_DIR = "plans"
-TIMING_CACHE = "timing_cache.bin"
-SHA_SUFFIX = ".sha256"
-MANIFEST = "engines.json"  # written by build_engines.engines; read here by verify_plans
 CPU_AOT = "cpu-aot"  # RTX builds ahead of time on the CPU; kernels are compiled at load (§11)
-PLUGIN_ENV = "OMNIJEV_PLUGIN_LIBRARY"
-PLUGIN_DEFAULT = Path(__file__).resolve().parents[1] / "plugins" / "build" / "libomnijev_plugins.so"
 OPTIMIZATION_LEVEL = 3  # the builder's default, pinned: the level decides which tactics are tried
 # RTX's default build targets (engines.md §11), set explicitly so the manifest states them; the
 # runtime refuses any other compute capability, 9.0 (H100/H200) included (§0.3).
@@ -88,34 +89,9 @@ DTYPE_NAMES = {  # TensorRT DataType member -> the dtype name the manifest and b
     "BOOL": "bool",
     "FP8": "float8_e4m3fn",
 }
-DIM = re.compile(r"^(?:(\d+)\*)?([A-Za-z_]\w*)$")  # "T" or "4*merged", as the export names axes
 
 
 # -- library ---------------------------------------------------------------------------------
-
-
-def import_library(name: str | None = None) -> ModuleType | None:
-    """The first importable TensorRT module (`name`: only `tensorrt` or only TensorRT-RTX)."""
-    for module in LIBRARIES:
-        if name is not None and library_name_of(module) != name:
-            continue
-        try:
-            return importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - placeholder wheels fail in many ways; try the next
-            continue
-    return None
-
-
-def library_name_of(module_name: str) -> str:
-    return RTX if module_name.startswith(RTX) else FULL
-
-
-def library_name(trt: ModuleType) -> str:
-    return library_name_of(trt.__name__)
-
-
-def is_rtx(trt: ModuleType) -> bool:
-    return library_name(trt) == RTX
 
 
 def dtype_name(trt_dtype) -> str:
@@ -123,12 +99,6 @@ def dtype_name(trt_dtype) -> str:
     if name not in DTYPE_NAMES:
         raise ValueError(f"tensorrt dtype {name} has no torch counterpart")
     return DTYPE_NAMES[name]
-
-
-def plugin_library() -> Path | None:
-    """The readout plugin library (plugins/), where it was built."""
-    path = Path(os.environ.get(PLUGIN_ENV) or PLUGIN_DEFAULT)
-    return path if path.is_file() else None
 
 
 def trt_readout(trt: ModuleType | None) -> tuple[str, str]:
@@ -143,39 +113,6 @@ def trt_readout(trt: ModuleType | None) -> tuple[str, str]:
     if plugin_library() is None:
         return "std", f"plugin library not built ({PLUGIN_DEFAULT} or ${PLUGIN_ENV})"
     return "plugin", "tensorrt with the plugin library"
-
-
-# -- hashes and the manifest -----------------------------------------------------------------
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def file_record(path: Path) -> dict:
-    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-
-
-def onnx_files(onnx_path: Path) -> list[Path]:
-    """The ONNX file and its external-data files, as the parser reads them."""
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    names = {
-        entry.value
-        for tensor in model.graph.initializer
-        if tensor.data_location == onnx.TensorProto.EXTERNAL
-        for entry in tensor.external_data
-        if entry.key == "location"
-    }
-    return [onnx_path, *sorted(onnx_path.parent / name for name in names)]
-
-
-def read_manifest(engine_dir: Path) -> dict | None:
-    path = Path(engine_dir) / MANIFEST
-    return json.loads(path.read_text("utf-8")) if path.is_file() else None
 
 
 # -- profiles and I/O ------------------------------------------------------------------------
@@ -456,50 +393,6 @@ def build_plans(
         },
         "graphs": entries,
     }
-
-
-# -- verification ---------------------------------------------------------------------------
-
-
-def compare_record(root: Path, relative: str, record: dict) -> str | None:
-    path = root / relative
-    if not path.is_file():
-        return f"{relative}: missing"
-    actual = sha256_file(path)
-    if actual != record["sha256"]:
-        return f"{relative}: sha256 {actual[:16]}…, recorded {record['sha256'][:16]}…"
-    return None
-
-
-def verify_plans(engine_dir: Path, plans_only: bool = False) -> list[str]:
-    """What changed since the build: ONNX files, timing cache or plans whose SHA-256 no longer
-    matches the manifest (an empty list when nothing did). `plans_only`: the plan files alone,
-    what a runtime needs checked before loading them."""
-    root = Path(engine_dir)
-    manifest = read_manifest(root)
-    if manifest is None:
-        return [f"{MANIFEST}: missing"]
-    problems = []
-    if not plans_only:
-        for variant in (manifest.get("onnx") or {}).values():
-            for relative, record in variant["files"].items():
-                problems.append(compare_record(root, relative, record))
-    plans = manifest.get("plans")
-    if not plans:
-        return [p for p in problems if p] + ["plans: none built"]
-    for entry in plans["graphs"].values():
-        problems.append(compare_record(root, entry["plan"], entry))
-    if plans_only:
-        return sorted({p for p in problems if p})
-    cache = plans["timing_cache"]
-    problems.append(compare_record(root, cache["file"], cache))
-    sha_file = root / (cache["file"] + SHA_SUFFIX)
-    if sha_file.is_file() and sha_file.read_text("utf-8").split()[0] != cache["sha256"]:
-        problems.append(f"{sha_file.name}: does not match the manifest")
-    for entry in plans["graphs"].values():
-        for relative, record in entry["onnx"].items():
-            problems.append(compare_record(root, relative, record))
-    return sorted({p for p in problems if p})
 
 
 def plan_difference(a: bytes, b: bytes) -> dict:

@@ -148,7 +148,7 @@ def cli_calibrate(args) -> int:
     """`omnijev calibrate RECORDS.jsonl [--checkpoint DIR]`: fit and report."""
     calibration = Calibration.v11()
     if args.checkpoint:
-        from build_engines.export_format import load_export
+        from runtime.export_format import load_export
 
         calibration = load_export(Path(args.checkpoint)).calibration
     fitted, report = fit(read_records(args.records), calibration)

@@ -21,19 +21,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.constants import CLOSE_ID as OPT_CLOSE
+from runtime.constants import DTYPES, MODEL_DTYPES
+from runtime.constants import IMAGE_PAD_ID as IMAGE_PAD
+from runtime.constants import MODEL_ID as MODEL_NAME
+from runtime.constants import OPEN_ID as OPT_OPEN
 from runtime.errors import BodyError, ContractError, ExecutionError
 from runtime.types import Prepared, PreparedImage, QuestionReadout, Row
 
-MODEL_NAME = "tinnel123/OmniJev"  # contract.md §3: every response names this model
-IMAGE_PAD = 248056  # <|image_pad|> (contract.md §4.3)
-OPT_OPEN = 248077  # <|opt|>
-OPT_CLOSE = 248078  # <|/opt|>
 PAD_ID = 248044  # <|endoftext|>, the tokenizer's pad token, which MSO1 pads rows with (§2.1)
 CHUNK_ENV = "MSO_BRANCH_CHUNK"  # rows per branch forward; MSO1's default is 64 (model.md §8.4)
 DEFAULT_CHUNK = 64
 LOGIT_ROWS = 64  # hidden rows per lm_head call: bounds the float32 [rows, 248079] logits block
 MIN_TRANSFORMERS = (5, 7)  # correct Gated DeltaNet continuation from a cache (model.md §9.1)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REFUSED_EXIT = 1  # a 400 or 422 refusal (the exit codes of `omnijev explain`)
 UNREADABLE_EXIT = 2  # the request file or the export could not be used
 MARKER_ERROR = "every option needs one opening and one closing marker, in order"  # §2.7
@@ -275,12 +275,13 @@ class Reference:
         dtype: str = "float32",
         device: str | torch.device | None = None,
     ) -> None:
-        from build_engines.export_format import build_transformers_model, load_export
+        from reference.transformers_model import build_transformers_model
+        from runtime.export_format import load_export
         from runtime.heads import Heads
         from runtime.tokenizer import load_tokenizer
 
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(MODEL_DTYPES)}")
         info = load_export(Path(export_dir))
         torch_device = _pick_device(device)
         model = build_transformers_model(info, DTYPES[dtype], torch_device)

@@ -11,7 +11,7 @@ import json
 import numpy as np
 from PIL import Image
 
-MODEL_ID = "tinnel123/OmniJev"  # contract.md §2.2: the model name requests carry
+from runtime.constants import MODEL_ID
 
 # contract.md §10.1, exactly as `LF@984cf53 processing.json` case `mixed_speed_bench` writes them
 # (text options carry their text as the key; "+ abstain" is a trailing {"abstain": true}).

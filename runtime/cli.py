@@ -15,11 +15,11 @@ COMMANDS = {
     "export": ("build_engines.onnx_export", "cli_export", "export ONNX files from a checkpoint"),
     "engines": ("build_engines.engines", "cli_engines", "export, check and build engines"),
     "run": ("runtime.executor", "cli_run", "answer a request file through the engines"),
-    "parity": ("runtime.bench", "cli_parity", "compare answers with the float32 reference"),
-    "bench": ("runtime.bench", "cli_bench", "time the workloads, with the reference beside"),
+    "parity": ("tools.bench", "cli_parity", "compare answers with the float32 reference"),
+    "bench": ("tools.bench", "cli_bench", "time the workloads, with the reference beside"),
     "calibrate": ("calibration.fit", "cli_calibrate", "fit temperatures to labelled head outputs"),
     "serve": ("server.app", "cli_serve", "serve POST /v1/systemone"),
-    "demo": ("server.app", "cli_demo", "build the tiny demo model and serve it on the CPU"),
+    "demo": ("tools.demo", "cli_demo", "build the tiny demo model and serve it on the CPU"),
 }
 
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 import unicodedata
 
 from runtime import images
+from runtime.constants import MODEL_ID
 from runtime.errors import ContractError
 from runtime.types import Question, Request
 
-MODEL_ID = "tinnel123/OmniJev"  # §2.2; the response always names this one
 MODELS = (MODEL_ID, "omnijev", "omnijev-4b-v1.1")  # §2.2: the id and contract.rs' ALIASES
 TOP_LEVEL_FIELDS = ("model", "state", "questions")  # §2.2
 MAX_QUESTIONS = 64  # §2.2

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from runtime.backends import Backend, choose_backend
+from runtime.constants import IMAGE_PAD_ID, MODEL_ID
 from runtime.passes import PREFIX_STEP, OptionPass, Pass, Plan, QuestionPass, bucket, plan
 from runtime.types import Prepared, QuestionReadout
 
-MODEL_ID = "tinnel123/OmniJev"  # the name every response carries (contract.md §2.2)
 # Image prefixes kept across requests (several questions about one screenshot are common). One
 # 4b entry is ~50 MiB of Gated DeltaNet state plus 32 KiB of K/V per prefix token (model.md §11).
 PREFIX_CACHE = 8
@@ -89,7 +89,7 @@ class Executor:
     model_id = MODEL_ID
 
     def __init__(self, checkpoint: Path, engines: Path, backend: str = "auto"):
-        from build_engines.export_format import load_export
+        from runtime.export_format import load_export
         from runtime.heads import Heads
         from runtime.tokenizer import load_tokenizer
 
@@ -103,7 +103,7 @@ class Executor:
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
-        self.image_token = int(self.config.get("image_token_id", 248056))
+        self.image_token = int(self.config.get("image_token_id", IMAGE_PAD_ID))
         self.prefix_cache = PrefixCache(int(os.environ.get("OMNIJEV_PREFIX_CACHE", PREFIX_CACHE)))
         self._vision_tables: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
@@ -221,7 +221,7 @@ class Executor:
 
     def vision_tables(self, grid: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
-        from build_engines.modules import vision_inputs
+        from runtime.model.vision import vision_inputs
 
         tables = self._vision_tables.get(grid)
         if tables is None:

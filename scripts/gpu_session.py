@@ -147,8 +147,8 @@ def tiny() -> None:
     import gc
 
     from reference.mso1 import Reference
-    from runtime import bench
     from runtime.executor import load_engine
+    from tools import bench
 
     report = {"environment": environment(), "build": build("tiny", ("float32",))}
     export, engines = WORK / "tiny-export", WORK / "tiny-float32"
@@ -175,7 +175,7 @@ def invariance(executor) -> dict:
     """Each question alone, all together and reversed: identical answers, byte for byte; where
     not, the largest difference of any value of the answer."""
     from reference.questions import gate_questions, request_body, speed_bench_questions
-    from runtime import bench
+    from tools import bench
 
     executor.prefix_cache.size = 0  # every request runs the vision tower and the prefix
     executor.prefix_cache.entries.clear()
@@ -306,7 +306,7 @@ def device_used() -> int:
 
 def speed_bench_request() -> bytes:
     from reference.questions import speed_bench_questions
-    from runtime import bench
+    from tools import bench
 
     image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, 1), "PNG")
     return bench.body(image, "image/png", speed_bench_questions(12))
@@ -318,8 +318,8 @@ def time_variant(name: str, settings: dict, export: Path, engines: Path, runs: i
 
     import torch
 
-    from runtime import bench
     from runtime.executor import load_engine
+    from tools import bench
 
     configure(settings)
     before = device_used()
@@ -396,7 +396,7 @@ def reference4b() -> None:
     import importlib.util
 
     from reference.mso1 import Reference
-    from runtime import bench
+    from tools import bench
 
     name = sys.argv[2]
     runs = int(os.environ.get("REF_RUNS", "5"))
@@ -423,7 +423,7 @@ def reference4b() -> None:
 
 def summary(report: dict) -> None:
     """The latency table of each variant with the plain reference's medians beside."""
-    from runtime import bench
+    from tools import bench
 
     reference = OUT / "reference4b-plain.json"
     theirs = json.loads(reference.read_text())["rows"] if reference.exists() else {}
@@ -451,8 +451,8 @@ def summary(report: dict) -> None:
 def parity4b() -> None:
     """The 4b checkpoint in float32: engines against the float32 reference over four images."""
     from reference.mso1 import Reference
-    from runtime import bench
     from runtime.executor import load_engine
+    from tools import bench
 
     times = build(BIG, ("float32",))
     export, engines = WORK / f"{BIG}-export", WORK / f"{BIG}-float32"
@@ -547,8 +547,8 @@ def profile4b() -> None:
     stages (the issue's per-stage profile for a missed target). PROFILE=name picks a variant."""
     import torch
 
-    from runtime import bench
     from runtime.executor import load_engine
+    from tools import bench
 
     name = os.environ.get("PROFILE", "dynamic")
     engines_name, settings = VARIANTS[name]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -43,8 +42,6 @@ GRACEFUL_SHUTDOWN_S = 300
 # warm-up rounds once the fixed-shape sessions built during the first have settled: ONNX
 # Runtime runs a pass before it captures its CUDA graph, and replays from the next
 SETTLED_ROUNDS = 2
-DEMO_DIR = Path("artifacts/demo")
-DEMO_BACKEND = "auto"  # the demo has ONNX Runtime engines only, which `auto` picks without a GPU
 
 log = logging.getLogger("omnijev.server")
 
@@ -472,23 +469,3 @@ def read_warm_up(path: str) -> dict:
     except (OSError, BodyError, ContractError) as error:
         raise SystemExit(f"warm-up request {path}: {error}") from None
     return obj
-
-
-def cli_demo(args: Any) -> int:
-    """Build the tiny synthetic checkpoint and its ONNX Runtime engines once, then serve them."""
-    from build_engines import checkpoints, engines
-    from runtime.executor import load_engine
-
-    checkpoint, engines_dir = DEMO_DIR / "checkpoint", DEMO_DIR / "engines"
-    if not (checkpoint / "omnijev_export.json").exists():  # the manifest is written last
-        shutil.rmtree(checkpoint, ignore_errors=True)  # a build that died half-way
-        shutil.rmtree(checkpoints.release_path(checkpoint), ignore_errors=True)
-        checkpoints.make_checkpoint("tiny", 0, checkpoint)
-    if not engines_dir.exists():
-        partial = DEMO_DIR / "engines.partial"  # renamed when complete, so a crash rebuilds
-        shutil.rmtree(partial, ignore_errors=True)
-        engines.build_engines(checkpoint, partial, plans=False)
-        partial.rename(engines_dir)
-    engine = load_engine(str(checkpoint), str(engines_dir), DEMO_BACKEND)
-    serve(create_app(engine), args.host, args.port)
-    return 0

@@ -21,8 +21,15 @@ from build_engines.checkpoints import (
     make_checkpoint,
     make_release,
 )
-from build_engines.export_format import (
-    build_transformers_model,
+from build_engines.merge import (
+    ReleaseError,
+    load_base,
+    merge_release,
+    restore_option_rows,
+)
+from reference.transformers_model import build_transformers_model
+from runtime.cli import main
+from runtime.export_format import (
     head_shapes,
     load_export,
     load_heads_state,
@@ -30,13 +37,6 @@ from build_engines.export_format import (
     load_vision_state,
     sha256_file,
 )
-from build_engines.merge import (
-    ReleaseError,
-    load_base,
-    merge_release,
-    restore_option_rows,
-)
-from runtime.cli import main
 from tests.checkpoint_fixtures import copy_export, rewrite
 from tests.spec import FIXTURES
 

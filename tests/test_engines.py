@@ -17,10 +17,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from build_engines import trt_build
-from build_engines.modules import STD_MAX_TOKENS
+from runtime import manifest as manifests
+from runtime.constants import GRAPHS
+from runtime.model.gdn import STD_MAX_TOKENS
 from runtime.passes import OPTION_BATCH
 
-trt = trt_build.import_library()
+trt = manifests.import_library()
 needs_library = pytest.mark.skipif(trt is None, reason="no tensorrt or tensorrt_rtx importable")
 WIDTH, VOCAB = 16, 50
 # Bytes that may differ between two RTX builds of one file with dynamic axes, as a share of the
@@ -120,7 +122,7 @@ def rows_graph(path: Path, seed: int = 0, plugin: bool = False, external: bool =
 
 
 def engine_dir(root: Path, seed: int = 0, external: bool = False) -> Path:
-    folder = root / trt_build.ONNX_TRT
+    folder = root / manifests.ONNX_TRT
     vision_graph(folder / "vision.onnx", seed)
     rows_graph(folder / "lm_rows.onnx", seed, external=external)
     rows_graph(folder / "lm_state.onnx", seed + 1)
@@ -130,7 +132,7 @@ def engine_dir(root: Path, seed: int = 0, external: bool = False) -> Path:
 def build(root: Path, **options) -> dict:
     plans = trt_build.build_plans(root, trt, "std", "test", **options)
     manifest = {"format": "test", "onnx": {}, "plans": plans}
-    (root / trt_build.MANIFEST).write_text(json.dumps(manifest))
+    (root / manifests.MANIFEST).write_text(json.dumps(manifest))
     return plans
 
 
@@ -171,7 +173,7 @@ def test_rebuild_with_dynamic_shapes_differs_only_slightly(built, tmp_path):
     0.1% of their bytes (REBUILD_SLACK). Same size; the manifest records each plan's hash."""
     root, plans = built
     copy = tmp_path / "copy"
-    shutil.copytree(root / trt_build.ONNX_TRT, copy / trt_build.ONNX_TRT)
+    shutil.copytree(root / manifests.ONNX_TRT, copy / manifests.ONNX_TRT)
     build(copy)
     for graph, entry in plans["graphs"].items():
         a, b = ((r / entry["plan"]).read_bytes() for r in (root, copy))
@@ -184,7 +186,7 @@ def test_rebuild_with_dynamic_shapes_differs_only_slightly(built, tmp_path):
 def test_unnamed_networks_would_differ(built):
     """Why parse_network names the network: the builder numbers unnamed networks per process."""
     root, _ = built
-    onnx_path = root / trt_build.ONNX_TRT / "vision.onnx"
+    onnx_path = root / manifests.ONNX_TRT / "vision.onnx"
     logger = trt.Logger(trt.Logger.ERROR)
     builder = trt.Builder(logger)
     plans = []
@@ -205,7 +207,7 @@ def test_manifest_lists_every_io_tensor(built):
     root, plans = built
     for graph, entry in plans["graphs"].items():
         model = onnx.load(
-            str(root / trt_build.ONNX_TRT / f"{graph}.onnx"), load_external_data=False
+            str(root / manifests.ONNX_TRT / f"{graph}.onnx"), load_external_data=False
         )
         expected = [(v.name, "input") for v in model.graph.input]
         expected += [(v.name, "output") for v in model.graph.output]
@@ -220,9 +222,9 @@ def test_manifest_lists_every_io_tensor(built):
 @needs_library
 def test_manifest_records_library_inputs_and_hashes(built):
     root, plans = built
-    assert plans["library"] == trt_build.library_name(trt)
+    assert plans["library"] == manifests.library_name(trt)
     assert plans["version"] == trt.__version__
-    if trt_build.is_rtx(trt):
+    if manifests.is_rtx(trt):
         assert plans["device"] == trt_build.CPU_AOT
         assert plans["timing_cache"]["applies"] is False
         assert "ignores timing caches" in plans["timing_cache"]["note"]
@@ -267,14 +269,14 @@ def test_profile_shapes_resolve_axis_names():
 def test_timing_cache_recorded_once_then_replayed(tmp_path):
     root = engine_dir(tmp_path / "e")
     first = build(root, graphs=("vision",))
-    cache = root / trt_build.TIMING_CACHE
+    cache = root / manifests.TIMING_CACHE
     digest = hashlib.sha256(cache.read_bytes()).hexdigest()
     assert first["timing_cache"]["mode"] == "record" and first["timing_cache"]["sha256"] == digest
     assert (root / "timing_cache.bin.sha256").read_text().split() == [digest, cache.name]
     second = build(root, graphs=("vision",))
     assert second["timing_cache"]["mode"] == "replay"
     assert hashlib.sha256(cache.read_bytes()).hexdigest() == digest
-    if not trt_build.is_rtx(trt):
+    if not manifests.is_rtx(trt):
         assert "ERROR_ON_TIMING_CACHE_MISS" in second["graphs"]["vision"]["flags"]
 
 
@@ -282,11 +284,11 @@ def test_timing_cache_recorded_once_then_replayed(tmp_path):
 def test_changed_timing_cache_is_refused_and_reported(tmp_path):
     root = engine_dir(tmp_path / "e")
     build(root, graphs=("vision",))
-    cache = root / trt_build.TIMING_CACHE
+    cache = root / manifests.TIMING_CACHE
     cache.write_bytes(cache.read_bytes() + b"\0")
     recorded = json.loads((root / "engines.json").read_text())["plans"]["timing_cache"]["sha256"]
     actual = hashlib.sha256(cache.read_bytes()).hexdigest()
-    assert trt_build.verify_plans(root) == [
+    assert manifests.verify_plans(root) == [
         f"{cache.name}: sha256 {actual[:16]}…, recorded {recorded[:16]}…"
     ]
     with pytest.raises(RuntimeError, match="timing cache .* changed"):
@@ -297,23 +299,23 @@ def test_changed_timing_cache_is_refused_and_reported(tmp_path):
 def test_verify_reports_changed_onnx_and_plans(built, tmp_path):
     # a real copy of the module's build: this test rewrites files in place
     root = shutil.copytree(built[0], tmp_path / "e")
-    assert trt_build.verify_plans(root) == []
-    rows_graph(root / trt_build.ONNX_TRT / "lm_state.onnx", seed=7)  # other weights, same graph
-    data = root / trt_build.ONNX_TRT / "lm_rows.onnx.data"
+    assert manifests.verify_plans(root) == []
+    rows_graph(root / manifests.ONNX_TRT / "lm_state.onnx", seed=7)  # other weights, same graph
+    data = root / manifests.ONNX_TRT / "lm_rows.onnx.data"
     data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()[:4]) + data.read_bytes()[4:])
-    (root / trt_build.PLANS_DIR / "vision.plan").unlink()
-    problems = trt_build.verify_plans(root)
+    (root / manifests.PLANS_DIR / "vision.plan").unlink()
+    problems = manifests.verify_plans(root)
     assert [p.split(":")[0] for p in problems] == [
         "onnx_trt/lm_rows.onnx.data", "onnx_trt/lm_state.onnx", "plans/vision.plan"
     ]  # fmt: skip
     assert problems[-1] == "plans/vision.plan: missing"
-    assert trt_build.verify_plans(root, plans_only=True) == ["plans/vision.plan: missing"]
+    assert manifests.verify_plans(root, plans_only=True) == ["plans/vision.plan: missing"]
 
 
 def test_verify_without_manifest_or_plans(tmp_path):
-    assert trt_build.verify_plans(tmp_path) == ["engines.json: missing"]
+    assert manifests.verify_plans(tmp_path) == ["engines.json: missing"]
     (tmp_path / "engines.json").write_text(json.dumps({"onnx": {}, "plans": None}))
-    assert trt_build.verify_plans(tmp_path) == ["plans: none built"]
+    assert manifests.verify_plans(tmp_path) == ["plans: none built"]
 
 
 # -- libraries, plugins, parsing ----------------------------------------------------------------
@@ -333,13 +335,13 @@ def test_readout_choice(monkeypatch, tmp_path):
         __name__ = "tensorrt"
 
     assert trt_build.trt_readout(None)[0] == "std"
-    if trt is not None and trt_build.is_rtx(trt):
+    if trt is not None and manifests.is_rtx(trt):
         readout, reason = trt_build.trt_readout(trt)
         assert readout == "std" and "add_plugin_v3" in reason
-    monkeypatch.setenv(trt_build.PLUGIN_ENV, str(tmp_path / "missing.so"))
+    monkeypatch.setenv(manifests.PLUGIN_ENV, str(tmp_path / "missing.so"))
     assert trt_build.trt_readout(Module())[0] == "std"
     (tmp_path / "libomnijev_plugins.so").write_bytes(b"\x7fELF")
-    monkeypatch.setenv(trt_build.PLUGIN_ENV, str(tmp_path / "libomnijev_plugins.so"))
+    monkeypatch.setenv(manifests.PLUGIN_ENV, str(tmp_path / "libomnijev_plugins.so"))
     assert trt_build.trt_readout(Module()) == ("plugin", "tensorrt with the plugin library")
 
 
@@ -352,11 +354,11 @@ def test_library_selection_prefers_full_tensorrt(monkeypatch):
             raise ImportError("placeholder wheel")
         return type(sys)(name)
 
-    monkeypatch.setattr(trt_build.importlib, "import_module", fake_import)
-    assert trt_build.import_library().__name__ == "tensorrt_rtx"
+    monkeypatch.setattr(manifests.importlib, "import_module", fake_import)
+    assert manifests.import_library().__name__ == "tensorrt_rtx"
     assert tried == ["tensorrt", "tensorrt_rtx"]
-    assert trt_build.import_library("tensorrt") is None
-    assert trt_build.library_name_of("tensorrt_rtx_bindings") == trt_build.RTX
+    assert manifests.import_library("tensorrt") is None
+    assert manifests.library_name_of("tensorrt_rtx_bindings") == manifests.RTX
     assert trt_build.target_capability("SM120") == "12.0"
 
 
@@ -399,11 +401,11 @@ def tiny_engines(tmp_path_factory):
 @needs_library
 def test_tiny_checkpoint_engine_directory(tiny_engines):
     root = tiny_engines
-    manifest = trt_build.read_manifest(root)
+    manifest = manifests.read_manifest(root)
     assert manifest["onnx"]["onnx_ort"]["gdn"] == "ort"
     assert manifest["onnx"]["onnx_trt"]["gdn"] == "std"
     for variant in ("onnx_ort", "onnx_trt"):
-        for graph in trt_build.GRAPHS:
+        for graph in GRAPHS:
             check = manifest["ort_check"][variant][graph]
             assert "skipped" in check or check["max_relative_error"] < 1e-4
             done = subprocess.run(
@@ -412,11 +414,11 @@ def test_tiny_checkpoint_engine_directory(tiny_engines):
             )  # fmt: skip
             assert done.returncode == 0, done.stderr
     plans = manifest["plans"]
-    assert set(plans["graphs"]) == set(trt_build.GRAPHS)
+    assert set(plans["graphs"]) == set(GRAPHS)
     for graph, entry in plans["graphs"].items():
         inputs, outputs = trt_build.onnx_io(root / "onnx_trt" / f"{graph}.onnx")
         assert [i["name"] for i in entry["io"]] == [i["name"] for i in inputs + outputs]
-    assert trt_build.verify_plans(root) == []
+    assert manifests.verify_plans(root) == []
 
 
 @needs_library
@@ -425,7 +427,7 @@ def test_tiny_checkpoint_rebuild_and_change_detection(tiny_engines, tmp_path):
     REBUILD_SLACK of their bytes differing (RTX 1.7.1 numbers dynamic-shape symbols by heap
     address and thread timing, see trt_build); a changed ONNX file is reported by verify_plans."""
     root = shutil.copytree(tiny_engines, tmp_path / "copy")
-    plans = trt_build.read_manifest(root)["plans"]
+    plans = manifests.read_manifest(root)["plans"]
     rebuilt = trt_build.build_plans(root, trt, plans["readout"], plans["readout_reason"])
     assert rebuilt["timing_cache"]["mode"] == "replay"
     for graph, entry in plans["graphs"].items():
@@ -435,4 +437,4 @@ def test_tiny_checkpoint_rebuild_and_change_detection(tiny_engines, tmp_path):
         assert difference["differing_bytes"] <= REBUILD_SLACK * len(before), (graph, difference)
     onnx_path = root / "onnx_trt" / "lm_rows.onnx"
     onnx_path.write_bytes(onnx_path.read_bytes() + b"\n")
-    assert trt_build.verify_plans(root)[0].startswith("onnx_trt/lm_rows.onnx: sha256")
+    assert manifests.verify_plans(root)[0].startswith("onnx_trt/lm_rows.onnx: sha256")

@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from build_engines.export_format import (
+from reference.transformers_model import build_transformers_model
+from runtime.export_format import (
     MANIFEST,
     REAL_IDENTITY,
     ExportError,
-    build_transformers_model,
     head_shapes,
     language_name,
     load_export,

@@ -13,17 +13,17 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from build_engines.modules import (
+from build_engines.onnx_export import lm_args, lm_output_names
+from plugins.readout import token_logprobs_reference, token_logprobs_std
+from runtime.model.gdn import (
     GDN_CHUNK,
     block_inverse_unit_lower,
     chunk_step,
     gated_delta_eager,
     solve_unit_lower,
-    vision_inputs,
 )
-from build_engines.onnx_export import lm_args, lm_output_names
-from build_engines.weights import load_language_pass, load_vision_tower
-from plugins.readout import token_logprobs_reference, token_logprobs_std
+from runtime.model.vision import vision_inputs
+from runtime.model.weights import load_language_pass, load_vision_tower
 
 # model.md §10.1
 TINY_TEXT = dict(
@@ -390,7 +390,7 @@ def test_full_vocabulary_readout():
     model = build_model(text, TINY_VISION, seed=3)
     state = {k: v for k, v in model.model.language_model.state_dict().items()}
     config = model.config.to_dict()
-    from build_engines.modules import LanguagePass
+    from runtime.model.language import LanguagePass
 
     module = LanguagePass(config, return_state=False).eval()
     module.load_state_dict(state, strict=True)

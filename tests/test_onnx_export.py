@@ -12,10 +12,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from build_engines.modules import vision_inputs
 from build_engines.onnx_export import MANIFEST, MAX_IR_VERSION, export_onnx
-from build_engines.weights import load_language_pass, load_vision_tower, read_config
 from plugins.readout import DOMAIN, OP_TYPE
+from runtime.model.vision import vision_inputs
+from runtime.model.weights import load_language_pass, load_vision_tower, read_config
 from tests.test_modules import (
     GRID,
     TINY_TEXT,

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from build_engines import trt_build
-from build_engines.modules import STD_MAX_TOKENS
+from runtime import manifest as manifests
 from runtime.backends import trt as backend
+from runtime.constants import DTYPES, GRAPHS
+from runtime.model.gdn import STD_MAX_TOKENS
 
 LM_INPUTS = [
     {"name": "input_ids", "mode": "input", "dtype": "int64", "shape": ["B", "T"]},
@@ -42,7 +44,7 @@ def lm_shapes(b: int, t: int, p: int, r: int) -> dict[str, tuple[int, ...]]:
 
 def write_engines(
     root: Path,
-    library: str = trt_build.RTX,
+    library: str = manifests.RTX,
     version: str = "1.7.1.116",
     readout: str = "std",
     device="cpu-aot",
@@ -50,7 +52,7 @@ def write_engines(
     root.mkdir(parents=True, exist_ok=True)
     (root / "plans").mkdir(exist_ok=True)
     graphs = {}
-    for graph in trt_build.GRAPHS:
+    for graph in GRAPHS:
         (root / "plans" / f"{graph}.plan").write_bytes(b"plan")
         graphs[graph] = {"plan": f"plans/{graph}.plan", "io": LM_IO, "profiles": PROFILES}
     plans = {
@@ -72,7 +74,7 @@ def gpu_like(monkeypatch):
     """A library of the plans' version and a CUDA device of a chosen compute capability."""
     state = {"capability": (8, 9)}
     monkeypatch.setattr(
-        trt_build, "import_library", lambda name=None: FakeLibrary(name or trt_build.RTX)
+        trt_build, "import_library", lambda name=None: FakeLibrary(name or manifests.RTX)
     )
     monkeypatch.setattr(backend, "plan_validity", lambda trt, path: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -96,7 +98,7 @@ def test_reason_for_a_missing_plan_file(tmp_path):
 
 
 def test_reason_when_the_library_is_missing_or_another_version(tmp_path, monkeypatch):
-    root = write_engines(tmp_path / "e", library=trt_build.FULL, version="10.13.2.6",
+    root = write_engines(tmp_path / "e", library=manifests.FULL, version="10.13.2.6",
                          device={"name": "NVIDIA H200", "compute_capability": "9.0"})  # fmt: skip
     monkeypatch.setattr(trt_build, "import_library", lambda name=None: None)
     assert backend.unavailable_reason(root) == "plans need tensorrt, which is not importable"
@@ -132,7 +134,7 @@ def test_rtx_capability_table():
 
 def test_full_tensorrt_plans_need_their_own_device(tmp_path, gpu_like):
     device = {"name": "NVIDIA H200", "compute_capability": "9.0"}
-    root = write_engines(tmp_path / "e", library=trt_build.FULL, device=device)
+    root = write_engines(tmp_path / "e", library=manifests.FULL, device=device)
     gpu_like["capability"] = (9, 0)
     assert backend.unavailable_reason(root) is None
     gpu_like["capability"] = (8, 9)
@@ -141,7 +143,7 @@ def test_full_tensorrt_plans_need_their_own_device(tmp_path, gpu_like):
 
 def test_plugin_plans_need_the_plugin_library(tmp_path, gpu_like):
     device = {"name": "NVIDIA H200", "compute_capability": "9.0"}
-    root = write_engines(tmp_path / "e", library=trt_build.FULL, readout="plugin", device=device)
+    root = write_engines(tmp_path / "e", library=manifests.FULL, readout="plugin", device=device)
     gpu_like["capability"] = (9, 0)
     assert backend.unavailable_reason(root).startswith("plugin library missing: ")
     (root / "libomnijev_plugins.so").write_bytes(b"\x7fELF")
@@ -155,11 +157,11 @@ def test_backend_refuses_to_start_with_the_reason(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="answers differ with a GPU")
 def test_real_rtx_plans_here_lack_only_a_gpu(tmp_path):
-    trt = trt_build.import_library()
+    trt = manifests.import_library()
     if trt is None:
         pytest.skip("no tensorrt library")
     root = write_engines(
-        tmp_path / "e", library=trt_build.library_name(trt), version=trt.__version__
+        tmp_path / "e", library=manifests.library_name(trt), version=trt.__version__
     )
     assert backend.unavailable_reason(root) == "no CUDA device"
 
@@ -177,7 +179,7 @@ def test_dtype_maps():
         "logprobs": torch.float32,
     }
     for name in trt_build.DTYPE_NAMES.values():
-        assert name in backend.DTYPES, name
+        assert name in DTYPES, name
 
 
 def test_axis_values_from_input_shapes():

@@ -11,8 +11,6 @@ from typing import Protocol
 
 import torch
 
-GRAPHS = ("vision", "lm_state", "lm_rows")
-
 
 class Backend(Protocol):
     name: str

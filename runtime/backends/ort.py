@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from runtime.backends import GRAPHS
+from runtime.constants import GRAPHS
 
 log = logging.getLogger("omnijev.ort")
 

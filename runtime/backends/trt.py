@@ -15,19 +15,9 @@ from pathlib import Path
 
 import torch
 
-from build_engines import trt_build
+from runtime import manifest as manifests
+from runtime.constants import DTYPES
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
 MAX_BOUND = 128  # shape sets kept bound (context, buffers, graph); the least recent go first
 # The TensorRT-RTX runtime's own list when it refused an H200 (engines.md §0.3): "Supported
 # compute capabilities: 8.0 8.6 8.9 12.0 12.1 >12.0".
@@ -54,7 +44,7 @@ def axis_values(inputs: list[dict], shapes: dict[str, tuple[int, ...]]) -> dict[
                 if dim >= 0 and dim != size:
                     raise ValueError(f"input {item['name']}: size {size}, expected {dim}")
                 continue
-            match = trt_build.DIM.match(dim)
+            match = manifests.DIM.match(dim)
             if match is None:
                 continue
             scale, axis = int(match.group(1) or 1), match.group(2)
@@ -93,16 +83,16 @@ def plan_validity(trt, path: Path) -> str | None:
         header = handle.read(int(runtime.engine_header_size))
     validity, diagnostics = check(header)
     if validity.name == "INVALID":
-        return f"{trt_build.library_name(trt)} finds {path.name} invalid here ({diagnostics:#x})"
+        return f"{manifests.library_name(trt)} finds {path.name} invalid here ({diagnostics:#x})"
     return None
 
 
 def unavailable_reason(engines_dir: Path) -> str | None:
     """Why the plans of `engines_dir` cannot run here, or None when they can."""
     engines_dir = Path(engines_dir)
-    manifest = trt_build.read_manifest(engines_dir)
+    manifest = manifests.read_manifest(engines_dir)
     if manifest is None:
-        return f"no {trt_build.MANIFEST} in {engines_dir}"
+        return f"no {manifests.MANIFEST} in {engines_dir}"
     plans = manifest.get("plans")
     if not plans:
         return f"no plans in {engines_dir} (built with --skip-plans)"
@@ -110,7 +100,7 @@ def unavailable_reason(engines_dir: Path) -> str | None:
         if not (engines_dir / entry["plan"]).is_file():
             return f"plan for {graph} missing: {entry['plan']}"
     library = plans["library"]
-    trt = trt_build.import_library(library)
+    trt = manifests.import_library(library)
     if trt is None:
         return f"plans need {library}, which is not importable"
     if trt.__version__ != plans["version"]:
@@ -119,7 +109,7 @@ def unavailable_reason(engines_dir: Path) -> str | None:
         return "no CUDA device"
     capability = torch.cuda.get_device_capability()
     label = f"{capability[0]}.{capability[1]}"
-    if library == trt_build.RTX:
+    if library == manifests.RTX:
         if rtx_refuses(capability):
             return f"tensorrt_rtx refuses compute capability {label} (engines.md §0.3)"
     elif plans["device"]["compute_capability"] != label:
@@ -178,14 +168,14 @@ class TensorRTBackend:
         if reason is not None:
             raise RuntimeError(f"tensorrt backend unavailable: {reason}")
         if verify:
-            changed = trt_build.verify_plans(engines_dir, plans_only=True)
+            changed = manifests.verify_plans(engines_dir, plans_only=True)
             if changed:
                 raise RuntimeError(
                     f"engine directory changed since its build: {'; '.join(changed)}"
                 )
-        manifest = trt_build.read_manifest(engines_dir)
+        manifest = manifests.read_manifest(engines_dir)
         plans = manifest["plans"]
-        self.trt = trt_build.import_library(plans["library"])
+        self.trt = manifests.import_library(plans["library"])
         self.name = plans["library"]
         self.device = torch.device(device or "cuda")
         self.max_pass_tokens = plans["max_pass_tokens"]  # the executor splits longer passes

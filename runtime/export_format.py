@@ -2,7 +2,7 @@
 
 Follows contract.md §8.2-8.3 (`S1@fc27b75 .../export.rs`): the manifest, the listed files and their
 SHA-256, the shard index, the vocabulary, the calibration and the tokenizer ids; then loads the
-weights into plain state dicts or into transformers' `Qwen3_5ForConditionalGeneration`.
+weights into plain state dicts (the reference builds transformers' model from them).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.constants import IMAGE_PAD_ID, MODEL_ID, OPTION_TOKENS, SPECIAL_IDS, VOCABULARY
 from runtime.finish import Calibration
 from runtime.heads import head_shapes
 
@@ -28,14 +29,12 @@ HASH_BLOCK = 4 * 1024 * 1024  # the worker hashes in 4 MiB blocks (contract.md �
 
 # Identity of the published release (contract.md §0.2, §8.2); pinned only for a real export.
 REAL_IDENTITY = {
-    "model_id": "tinnel123/OmniJev",
+    "model_id": MODEL_ID,
     "checkpoint_revision": "ffe5f436eaf22e20e2f041f8e74e121fd057a6cb",
     "base_model_id": "Qwen/Qwen3.5-4B",
     "base_revision": "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a",
 }
 IDENTITY_CHECKED = ("model_id", "checkpoint_revision", "base_revision")  # the worker's list
-VOCABULARY = 248079  # len(tokenizer) with <|opt|>, <|/opt|> (contract.md §4.3)
-OPTION_TOKENS = {"<|opt|>": 248077, "<|/opt|>": 248078}
 MAX_PIXELS = 602112  # 768·28·28, MSO1's budget (contract.md §4.8)
 HEADS_META = {"norm": "softmax", "lm_features": True, "ordinal": True}
 LORA = {"rank": 32, "alpha": 64, "merged": "bfloat16"}  # contract.md §8.2
@@ -49,8 +48,8 @@ PINNED = {
 }
 REQUIRED_OUTPUTS = ("config.json", HEADS, INDEX, "tokenizer.json", VISION)
 TEMPERATURE_KEYS = ("noul", "choice", "score")
-TOKENIZER_IDS = {"<|image_pad|>": 248056, **OPTION_TOKENS}  # the processor's check
-IMAGE_TOKEN_ID = 248056  # the executor's check of config.json
+TOKENIZER_IDS = SPECIAL_IDS  # the processor's check
+IMAGE_TOKEN_ID = IMAGE_PAD_ID  # the executor's check of config.json
 REAL_HIDDEN = 2560  # the executor's check; synthetic exports may be narrower
 # Accepted names of the language model's tensors (contract.md §8.3), longest prefix first.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
@@ -282,7 +281,7 @@ def language_name(name: str) -> str | None:
     return None if name.startswith(IGNORED_LANGUAGE) else name
 
 
-def _read_safetensors(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     tensors = {}
@@ -299,7 +298,7 @@ def load_language_state(
     """Language-model tensors named as `Qwen3_5TextModel.state_dict()` (`embed_tokens.weight`)."""
     state = {}
     for shard in info.shards:
-        for key, tensor in _read_safetensors(shard, dtype).items():
+        for key, tensor in read_safetensors(shard, dtype).items():
             name = language_name(key)
             if name is None:
                 continue
@@ -315,7 +314,7 @@ def load_language_state(
 
 def load_vision_state(info: ExportInfo, dtype: torch.dtype | None = None) -> dict:
     """Vision-tower tensors, named `model.visual.*` as in the full model."""
-    state = _read_safetensors(info.vision_path, dtype)
+    state = read_safetensors(info.vision_path, dtype)
     stray = [key for key in state if not key.startswith("model.visual.")]
     if stray:
         raise ExportError(f"export {VISION} holds {stray[0]}, expected model.visual.* only")
@@ -342,35 +341,6 @@ def check_heads(state: dict[str, torch.Tensor], hidden: int) -> None:
 
 def load_heads_state(info: ExportInfo) -> dict[str, torch.Tensor]:
     """Head tensors `head.*` and `ord.*`, float32 (contract.md §6.1), checked."""
-    state = _read_safetensors(info.heads_path, None)
+    state = read_safetensors(info.heads_path, None)
     check_heads(state, info.hidden_size)
     return state
-
-
-def build_transformers_model(
-    info: ExportInfo, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-):
-    """The export as `Qwen3_5ForConditionalGeneration` (248,079 rows, `lm_head` tied), in eval."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_utils import local_torch_dtype
-
-    config = Qwen3_5Config.from_dict(info.config)
-    # Sub-models are built by AutoModel.from_config, which follows each sub-config's own dtype.
-    for part in (config, config.text_config, config.vision_config):
-        part.dtype = dtype
-    # Allocate without random init: every parameter is overwritten from the export below.
-    with torch.device(device), local_torch_dtype(dtype), no_init_weights():
-        model = Qwen3_5ForConditionalGeneration(config)
-    state = {f"model.language_model.{k}": v for k, v in load_language_state(info).items()}
-    state.update(load_vision_state(info))
-    result = model.load_state_dict(state, strict=False)
-    missing = [key for key in result.missing_keys if key != "lm_head.weight"]
-    if missing or result.unexpected_keys:
-        extra = (missing or result.unexpected_keys)[0]
-        raise ExportError(f"export weights do not fit Qwen3_5ForConditionalGeneration: {extra}")
-    model.lm_head.weight = model.model.language_model.embed_tokens.weight
-    wrong = [k for k, v in model.state_dict().items() if v.dtype != dtype or v.is_meta]
-    if wrong:
-        raise ExportError(f"model tensor {wrong[0]} is not {dtype}")
-    return model.eval()

@@ -1,0 +1,294 @@
+"""One language-model pass over right-padded rows continuing a shared image prefix and per-row
+states: gated attention, Gated DeltaNet, the readouts (docs/design.md "Language-model passes").
+
+Follows transformers 5.17 `Qwen3_5TextModel` (model.md §2-§5); the Gated DeltaNet core comes from
+`runtime.model.gdn` by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugins.readout import token_logprobs
+from runtime.model.gdn import CORES, GDN_VARIANTS, l2norm
+from runtime.model.layers import MASKED, MLP, GatedRMSNorm, RMSNorm, rotate_half
+
+READOUT_VARIANTS = ("std", "plugin")
+
+
+def mrope_axes(rotary_dim: int, section: list[int]) -> list[int]:
+    """Position axis (0 T, 1 H, 2 W) of each rotary frequency, interleaved (contract.md §4.6)."""
+    axes = []
+    for i in range(rotary_dim // 2):
+        if i % 3 == 1 and i < 3 * section[1]:
+            axes.append(1)
+        elif i % 3 == 2 and i < 3 * section[2]:
+            axes.append(2)
+        else:
+            axes.append(0)
+    return axes
+
+
+def rope_tables(tc: dict, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse frequencies (float32, as Qwen3_5TextRotaryEmbedding) and each one's axis; made
+    on a real device even under a meta-device context, since no checkpoint holds them."""
+    rope = tc["rope_parameters"]
+    rotary_dim = int(tc["head_dim"] * rope.get("partial_rotary_factor", 1.0))
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+    axes = mrope_axes(rotary_dim, rope["mrope_section"])
+    return 1.0 / (rope["rope_theta"] ** exponent), torch.tensor(axes, device=device)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotation of the first `rotary_dim` dims of [B, heads, T, hd]; the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, H, T, hd] over the shared keys/values [1, KVH, P, hd] (the image prefix, read by
+    every row in place, never copied per row) followed by each row's own [B, KVH, L, hd]; query
+    head h reads KV head h // (H/KVH). `mask` [B, T, P + L] is true where a key is visible.
+    One softmax over both parts; the two weighted sums are added in float32.
+    Returns [B, T, H·hd]."""
+    b, heads, t, hd = q.shape
+    kv_heads = keys.shape[1]
+    qg = q.reshape(b, kv_heads, heads // kv_heads, t, hd)
+    shared = qg @ shared_k[:, :, None].transpose(-1, -2)  # broadcast over rows and groups
+    own = qg @ keys[:, :, None].transpose(-1, -2)
+    scores = torch.cat([shared, own], dim=-1) * scale
+    scores = torch.where(mask[:, None, None], scores.float(), MASKED)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    p_shared, p_own = probs.split([shared_k.shape[2], keys.shape[2]], dim=-1)
+    out = (p_shared @ shared_v[:, :, None]).float() + (p_own @ values[:, :, None]).float()
+    out = out.to(values.dtype).reshape(b, heads, t, hd)
+    return out.transpose(1, 2).reshape(b, t, heads * hd)
+
+
+class GatedAttention(nn.Module):
+    """Qwen3_5Attention: query + sigmoid gate per head, q/k norms, partial M-RoPE, GQA."""
+
+    def __init__(self, tc: dict):
+        super().__init__()
+        hidden, self.head_dim = tc["hidden_size"], tc["head_dim"]
+        self.heads, self.kv_heads = tc["num_attention_heads"], tc["num_key_value_heads"]
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
+        self.k_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
+
+    def forward(self, x, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
+        b, t, _ = x.shape
+        q, gate = self.q_proj(x).view(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(b, t, self.heads * self.head_dim)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys = torch.cat([src_k, k], dim=2)
+        values = torch.cat([src_v, v], dim=2)
+        attn = grouped_attention(q, prefix_k, prefix_v, keys, values, mask, self.head_dim**-0.5)
+        return self.o_proj(attn * torch.sigmoid(gate)), k, v
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3_5GatedDeltaNet continuing a conv and recurrent state; pads (t ≥ length) leave
+    both states untouched (decay 0, beta 0; conv state = last K−1 valid raw columns)."""
+
+    def __init__(self, tc: dict, gdn: str):
+        super().__init__()
+        hidden = tc["hidden_size"]
+        self.k_heads, self.v_heads = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
+        self.dk, self.dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
+        self.kernel = tc["linear_conv_kernel_dim"]
+        self.gdn = gdn
+        channels = 2 * self.k_heads * self.dk + self.v_heads * self.dv
+        self.in_proj_qkv = nn.Linear(hidden, channels, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.v_heads * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.dv, tc["rms_norm_eps"])
+        self.out_proj = nn.Linear(self.v_heads * self.dv, hidden, bias=False)
+
+    def conv(self, raw, conv_past, lengths):
+        """SiLU(causal depthwise conv) over past + own raw columns; the new conv state."""
+        full = torch.cat([conv_past, raw.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+        keep = self.kernel - 1
+        index = lengths[:, None] + torch.arange(keep, device=raw.device)[None, :]
+        state = full.gather(2, index[:, None, :].expand(-1, full.shape[1], -1))
+        # Shifted multiply-adds, not Conv: cuDNN's depthwise conv was 1.5 s of a 1.9 s ORT
+        # profile on the H200 and TensorRT needs no conv layer. float32 as a bfloat16 conv with
+        # float accumulation would be, rounded back after.
+        weight = self.conv1d.weight.float()[:, 0, :]  # [C, K]
+        columns = full.shape[-1] - self.kernel + 1
+        f = full.float()
+        conv = f[:, :, 0:columns] * weight[None, :, 0:1]
+        for j in range(1, self.kernel):
+            conv = conv + f[:, :, j : j + columns] * weight[None, :, j : j + 1]
+        return F.silu(conv.to(raw.dtype)).transpose(1, 2), state
+
+    def heads(self, x: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+        """[B, T, count·dim] → float32 [B, T, HV, dim], key head j // (HV/H) for value head j."""
+        b, t, _ = x.shape
+        x = x.float().reshape(b, t, count, 1, dim)
+        return x.expand(b, t, count, self.v_heads // count, dim).reshape(b, t, self.v_heads, dim)
+
+    def forward(self, x, valid, lengths, conv_past, rec_past):
+        b, t, _ = x.shape
+        mixed, conv_state = self.conv(self.in_proj_qkv(x), conv_past, lengths)
+        key_width = self.k_heads * self.dk
+        q, k, v = mixed.split([key_width, key_width, self.v_heads * self.dv], dim=-1)
+        q = l2norm(self.heads(q, self.k_heads, self.dk)) * self.dk**-0.5
+        k = l2norm(self.heads(k, self.k_heads, self.dk))
+        v = v.float().reshape(b, t, self.v_heads, self.dv)
+        beta = torch.where(valid[..., None], self.in_proj_b(x).sigmoid().float(), 0.0)
+        a = self.in_proj_a(x).float()
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        g = torch.where(valid[..., None], g, 0.0)
+        core = CORES[self.gdn if torch.onnx.is_in_onnx_export() else "eager"]
+        out, rec_state = core(q, k, v, g, beta, rec_past.float())
+        z = self.in_proj_z(x).reshape(b, t, self.v_heads, self.dv)
+        y = self.norm(out.to(x.dtype), z).reshape(b, t, self.v_heads * self.dv)
+        return self.out_proj(y), conv_state, rec_state
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, tc: dict, kind: str, gdn: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "full_attention":
+            self.self_attn = GatedAttention(tc)
+        else:
+            self.linear_attn = GatedDeltaNet(tc, gdn)
+        self.mlp = MLP(tc["hidden_size"], tc["intermediate_size"])
+        self.input_layernorm = RMSNorm(tc["hidden_size"], tc["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(tc["hidden_size"], tc["rms_norm_eps"])
+
+
+class LanguagePass(nn.Module):
+    """One pass of docs/design.md "Language-model passes" over right-padded rows [B, T].
+
+    Returns (hidden, logprobs) and, with `return_state`, out_k.*, out_v.*, out_conv.*, out_rec.*
+    in that order (index i counts attention layers, j Gated DeltaNet layers)."""
+
+    def __init__(
+        self,
+        config: dict,
+        return_state: bool = True,
+        gdn: str = "ort",
+        readout: str = "std",
+        vocab: int | None = None,
+    ):
+        super().__init__()
+        if gdn not in GDN_VARIANTS or readout not in READOUT_VARIANTS:
+            raise ValueError(
+                f"gdn must be one of {GDN_VARIANTS}, readout one of "
+                f"{READOUT_VARIANTS}; got {gdn!r}, {readout!r}"
+            )
+        tc = config["text_config"]
+        self.return_state, self.readout = return_state, readout
+        self.image_token_id = config["image_token_id"]
+        self.layer_types = list(tc["layer_types"])
+        self.embed_tokens = nn.Embedding(vocab or tc["vocab_size"], tc["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(tc, kind, gdn) for kind in self.layer_types)
+        self.norm = RMSNorm(tc["hidden_size"], tc["rms_norm_eps"])
+        inv_freq, freq_axes = rope_tables(tc)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("freq_axes", freq_axes, persistent=False)
+
+    def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor) -> torch.Tensor:
+        """Token rows, with image rows substituted for image tokens in order."""
+        b, t = input_ids.shape
+        rows = self.embed_tokens(input_ids)
+        is_image = input_ids == self.image_token_id
+        order = is_image.reshape(-1).long().cumsum(0).reshape(b, t) - 1
+        # clamped so a count mismatch cannot index out of bounds on a GPU
+        order = order.clamp(0, image_features.shape[0] - 1)
+        return torch.where(is_image[..., None], image_features.to(rows.dtype)[order], rows)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [B, T, rotary_dim] from M-RoPE positions [3, B, T] (float32, then dtype)."""
+        freqs = positions[self.freq_axes].permute(1, 2, 0).float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        input_ids,
+        image_features,
+        positions,
+        lengths,
+        prefix_k,
+        prefix_v,
+        prefix_mask,
+        src,
+        src_k,
+        src_v,
+        src_mask,
+        src_conv,
+        src_rec,
+        read_rows,
+        target_rows,
+        target_tokens,
+    ):
+        b, t = input_ids.shape
+        h = self.embed(input_ids, image_features)
+        cos, sin = self.rotary(positions, h.dtype)
+        steps = torch.arange(t, device=input_ids.device)
+        valid = steps[None, :] < lengths[:, None]
+        causal = steps[None, :, None] >= steps[None, None, :]
+        mask = torch.cat(
+            [
+                prefix_mask[:, None, :].expand(b, t, -1),
+                src_mask[src][:, None, :].expand(-1, t, -1),
+                causal & valid[:, None, :],
+            ],
+            dim=-1,
+        )
+        out_k, out_v, out_conv, out_rec = [], [], [], []
+        for layer in self.layers:
+            x = layer.input_layernorm(h)
+            if layer.kind == "full_attention":
+                i = len(out_k)
+                x, k, v = layer.self_attn(
+                    x, cos, sin, mask, prefix_k[i], prefix_v[i], src_k[i][src], src_v[i][src]
+                )
+                out_k.append(k)
+                out_v.append(v)
+            else:
+                j = len(out_conv)
+                x, conv, rec = layer.linear_attn(
+                    x, valid, lengths, src_conv[j][src], src_rec[j][src]
+                )
+                out_conv.append(conv)
+                out_rec.append(rec)
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        flat = self.norm(h).reshape(b * t, -1)
+        hidden = flat[read_rows].float()
+        logprobs = token_logprobs(
+            flat[target_rows],
+            self.embed_tokens.weight,
+            target_tokens,
+            plugin=self.readout == "plugin",
+        )
+        if not self.return_state:
+            return hidden, logprobs
+        return (hidden, logprobs, *out_k, *out_v, *out_conv, *out_rec)

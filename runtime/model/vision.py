@@ -1,0 +1,177 @@
+"""The vision tower (patches → merged image rows) and its host-side position and rotary tables.
+
+Follows transformers 5.17 `Qwen3_5VisionModel.forward` (model.md §6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.model.layers import LAYER_NORM_EPS, layer_norm, rotate_half
+
+VISION_THETA = 10000.0  # Qwen3_5VisionConfig's axial rope_theta default
+# the vision tower's attention: written out in standard ops, or ONNX Runtime's fused
+# `com.microsoft::MultiHeadAttention` (flash attention on the GPU in BF16; TensorRT cannot read it)
+ATTENTION_VARIANTS = ("std", "ort")
+
+
+def block_major_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Patch (row, col) in the tower's order: merge×merge blocks row-major, row-major inside."""
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    return rows.reshape(shape).transpose(0, 2, 1, 3).ravel(), cols.reshape(shape).transpose(
+        0, 2, 1, 3
+    ).ravel()
+
+
+def axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear taps on one axis, align-corners sampling `linspace(0, side-1, size)` (float32)."""
+    src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    floor = np.floor(src)
+    offsets = np.arange(2)
+    taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
+    weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - offsets), 0, None)
+    return taps, weights.astype(np.float32)
+
+
+def vision_inputs(grid_thw, pos_embed_weight: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+    """`pos_embeds` [N, C] and rotary `cos`, `sin` [N, head_dim] (float32) for one image grid,
+    as `Qwen3_5VisionModel.forward` computes them; `config` is config.json or its vision part."""
+    vc = config.get("vision_config", config)
+    t, h, w = (int(x) for x in grid_thw)
+    merge, side = vc["spatial_merge_size"], math.isqrt(vc["num_position_embeddings"])
+    rows, cols = block_major_coords(h, w, merge)
+    h_taps, h_weights = axis_taps(rows, h, side)
+    w_taps, w_weights = axis_taps(cols, w, side)
+    table = np.asarray(pos_embed_weight, dtype=np.float32)
+    pos = np.zeros((rows.size, table.shape[1]), dtype=np.float32)
+    for i in range(2):
+        for j in range(2):
+            weight = (h_weights[:, i] * w_weights[:, j])[:, None]
+            pos = pos + table[h_taps[:, i] * side + w_taps[:, j]] * weight
+    head_dim = vc["hidden_size"] // vc["num_heads"]
+    theta = (vc.get("rope_parameters") or {}).get("rope_theta", VISION_THETA)
+    half = head_dim // 2
+    inv_freq = np.float32(1.0) / (
+        np.float32(theta) ** (np.arange(0, half, 2, dtype=np.float32) / np.float32(half))
+    )
+    freqs = np.concatenate(
+        [rows[:, None].astype(np.float32) * inv_freq, cols[:, None].astype(np.float32) * inv_freq],
+        axis=-1,
+    )
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    repeat = (t, 1)
+    return {
+        "pos_embeds": np.tile(pos, repeat),
+        "cos": np.tile(np.cos(emb), repeat).astype(np.float32),
+        "sin": np.tile(np.sin(emb), repeat).astype(np.float32),
+    }
+
+
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Full attention of q, k, v [heads, N, hd] as one `com.microsoft::MultiHeadAttention` node
+    (its 3-D layout, [1, N, heads·hd]); the kernel keeps the softmax in float32, as the
+    standard-op form does.
+    Returns [N, heads·hd]."""
+    heads, n, hd = q.shape
+    flat = [x.transpose(0, 1).reshape(1, n, heads * hd) for x in (q, k, v)]
+    out = torch.onnx.ops.symbolic(
+        "com.microsoft::MultiHeadAttention",
+        flat,
+        {"num_heads": heads, "scale": scale},
+        dtype=q.dtype,
+        shape=[1, n, heads * hd],
+        version=1,
+    )
+    return out.reshape(n, heads * hd)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, intermediate: int):
+        super().__init__()
+        self.heads = heads
+        self.fused = False  # export the attention as ONNX Runtime's MultiHeadAttention
+        self.norm1 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
+        self.norm2 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(dim, 3 * dim)
+        self.attn.proj = nn.Linear(dim, dim)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1 = nn.Linear(dim, intermediate)
+        self.mlp.linear_fc2 = nn.Linear(intermediate, dim)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n, dim = x.shape
+        q, k, v = self.attn.qkv(x).reshape(n, 3, self.heads, -1).permute(1, 2, 0, 3).unbind(0)
+        cos, sin = cos[None].float(), sin[None].float()
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        scale = q.shape[-1] ** -0.5
+        if self.fused and torch.onnx.is_in_onnx_export():
+            return self.attn.proj(fused_attention(q, k, v, scale))
+        scores = (q @ k.transpose(-1, -2)) * scale
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        return self.attn.proj((probs @ v).transpose(0, 1).reshape(n, dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(layer_norm(x, self.norm1), cos, sin)
+        hidden = F.gelu(self.mlp.linear_fc1(layer_norm(x, self.norm2)), approximate="tanh")
+        return x + self.mlp.linear_fc2(hidden)
+
+
+class VisionTower(nn.Module):
+    """Patches [N, 1536] + host `pos_embeds`, `cos`, `sin` → merged rows [N/4, out_hidden].
+
+    Full non-causal attention over the one image; the merger uses exact GELU (model.md §6.2)."""
+
+    def __init__(self, vision_config: dict, attention: str = "std"):
+        super().__init__()
+        vc = vision_config
+        dim, self.merge = vc["hidden_size"], vc["spatial_merge_size"]
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(
+            vc["in_channels"],
+            dim,
+            (vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]),
+            stride=(vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]),
+        )
+        self.blocks = nn.ModuleList(
+            VisionBlock(dim, vc["num_heads"], vc["intermediate_size"]) for _ in range(vc["depth"])
+        )
+        self.set_attention(attention)
+        merged = dim * self.merge**2
+        self.merger = nn.Module()
+        self.merger.norm = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
+        self.merger.linear_fc1 = nn.Linear(merged, merged)
+        self.merger.linear_fc2 = nn.Linear(merged, vc["out_hidden_size"])
+
+    def set_attention(self, attention: str) -> None:
+        """How export writes each block's attention (ATTENTION_VARIANTS); eager is unchanged."""
+        for block in self.blocks:
+            block.fused = attention == "ort"
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        pos_embeds: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        proj = self.patch_embed.proj
+        dtype = proj.weight.dtype
+        # Conv3d with kernel == stride over one patch is a matrix product with the flat kernel.
+        x = F.linear(
+            pixel_values.to(dtype), proj.weight.reshape(proj.weight.shape[0], -1), proj.bias
+        )
+        x = x + pos_embeds.to(dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        x = layer_norm(x, self.merger.norm).reshape(-1, self.merger.linear_fc1.in_features)
+        return self.merger.linear_fc2(F.gelu(self.merger.linear_fc1(x)))
