@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
+from runtime import strict_json
 from runtime.errors import BodyError
 from runtime.strict_json import MAX_OPEN_CONTAINERS, parse_body
 
@@ -130,3 +133,71 @@ def test_pathological_bodies_are_refused_fast() -> None:
     refusal(b'{"a": "' + b'\\"' * 1_000_000)  # unterminated string full of escaped quotes
     refusal(b"[" * 1_000_000)
     assert time.perf_counter() - started < 1.0
+
+
+MiB = 1024 * 1024
+# 3 MiB bodies that are cheap to send and costly to parse (issue 14 sent 12 MiB of them; the
+# costs scale linearly): long arrays of numbers and of empty strings
+COSTLY = {
+    "ints": b'{"x":[' + b"1," * (3 * MiB // 2) + b"1]}",
+    "empty strings": b'{"x":[' + b'"",' * (MiB) + b'""]}',
+    "floats": b'{"x":[' + b"1.5," * (3 * MiB // 4) + b"1.5]}",
+}
+
+
+def peak_bytes(parse: Callable[[bytes], object], body: bytes) -> int:
+    tracemalloc.start()
+    try:
+        parse(body)
+    except (BodyError, ValueError):
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def cpu_seconds(parse: Callable[[bytes], object], body: bytes) -> float:
+    started = time.process_time()
+    parse(body)
+    return time.process_time() - started
+
+
+@pytest.mark.parametrize("kind", sorted(COSTLY))
+def test_costly_bodies_cost_about_what_the_standard_parser_costs(kind: str) -> None:
+    body = COSTLY[kind]
+    assert peak_bytes(parse_body, body) <= peak_bytes(json.loads, body) + 4 * MiB
+    standard = min(cpu_seconds(json.loads, body) for _ in range(2))
+    strict = min(cpu_seconds(parse_body, body) for _ in range(2))
+    assert strict <= 1.6 * standard + 0.05, (strict, standard)
+
+
+def test_the_depth_scan_of_12_mib_of_brackets_stays_small() -> None:
+    body = b"[" * (12 * MiB)
+    # the decoded text and one chunk's arrays; a whole-body scan took ten times the body
+    assert peak_bytes(parse_body, body) < 2 * len(body) + 4 * MiB
+    assert refusal(body) == NOT_VALID + "recursion limit exceeded"
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_the_chunked_depth_scan_carries_strings_and_escapes_across_chunks(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(strict_json, "SCAN_CHUNK", chunk)
+    filler = b'"[[\\\\\\"[[\\\\", ' * 40  # brackets and escaped quotes inside strings
+    shallow = b'{"a": [' + filler + b"[" * 120 + b"1" + b"]" * 120 + b"]}"
+    assert len(parse_body(shallow)["a"]) == 41
+    deep = b'{"a": [' + filler + b"[" * 126 + b"1" + b"]" * 126 + b"]}"
+    assert refusal(deep) == NOT_VALID + "recursion limit exceeded"
+
+
+def test_big_numbers_still_take_the_checked_path() -> None:
+    assert parse_body(b'{"a": 18446744073709551615}')["a"] == 2**64 - 1
+    assert parse_body(b'{"a": -9223372036854775808}')["a"] == -(2**63)
+    assert isinstance(parse_body(b'{"a": -9223372036854775809}')["a"], float)
+    assert isinstance(parse_body(b'{"a": 18446744073709551616}')["a"], float)
+    assert refusal(b'{"a": 1E+400}') == NOT_VALID + "number out of range"
+    assert parse_body(b'{"a": 123456789012345678, "b": 1e99}') == {
+        "a": 123456789012345678,
+        "b": 1e99,
+    }
