@@ -26,6 +26,7 @@ from types import ModuleType
 import numpy as np
 import onnx
 
+from runtime.config import RuntimeConfig
 from runtime.constants import GRAPHS
 from runtime.manifest import (
     DIM,
@@ -110,7 +111,7 @@ def trt_readout(trt: ModuleType | None) -> tuple[str, str]:
             "tensorrt_rtx has no add_plugin_v3 and aborts on Python plugins (engines.md §0.4); "
             "the plugin library needs full TensorRT headers"
         )
-    if plugin_library() is None:
+    if plugin_library(RuntimeConfig.from_env().plugin_library) is None:
         return "std", f"plugin library not built ({PLUGIN_DEFAULT} or ${PLUGIN_ENV})"
     return "plugin", "tensorrt with the plugin library"
 
@@ -352,7 +353,7 @@ def build_plans(
     engine_dir = Path(engine_dir)
     plugin = None
     if readout == "plugin":
-        plugin = plugin_library()
+        plugin = plugin_library(RuntimeConfig.from_env().plugin_library)
         if plugin is None or not trt.get_plugin_registry().load_library(str(plugin)):
             raise RuntimeError(f"plugin library {plugin} could not be loaded")
     cache_data, cache_source = load_cache(engine_dir, timing_cache)

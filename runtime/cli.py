@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from runtime import config
+
 # subcommand -> (module, function, help); modules are imported only when their command runs.
 COMMANDS = {
     "explain": ("runtime.explain", "cli_explain", "show what preparation makes of a request"),
@@ -71,9 +73,8 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--timing-cache", default=None, help="replay this timing cache")
     if name in ("run", "serve", "parity", "bench"):
         parser.add_argument("--engines", required=True)
-        parser.add_argument("--backend", default="auto")
+        config.add_arguments(parser)
     if name in ("parity", "bench"):
-        parser.add_argument("--device", default=None)
         parser.add_argument("--out", default=None, help="write the full report as JSON")
     if name == "bench":
         parser.add_argument("--runs", type=int, default=20)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +18,14 @@ import numpy as np
 import torch
 
 from runtime.backends import Backend, choose_backend
+from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MODEL_ID
+from runtime.lru import LRU
 from runtime.passes import PREFIX_STEP, OptionPass, Pass, Plan, QuestionPass, bucket, plan
 from runtime.types import Prepared, QuestionReadout
 
-# Image prefixes kept across requests (several questions about one screenshot are common). One
-# 4b entry is ~50 MiB of Gated DeltaNet state plus 32 KiB of K/V per prefix token (model.md §11).
-PREFIX_CACHE = 8
+# An image prefix kept across requests (RuntimeConfig.prefix_cache entries) is ~50 MiB of Gated
+# DeltaNet state plus 32 KiB of K/V per prefix token on the 4b (model.md §11).
 WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (contract.md §1.2)
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
 # device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
@@ -88,24 +87,26 @@ class Executor:
 
     model_id = MODEL_ID
 
-    def __init__(self, checkpoint: Path, engines: Path, backend: str = "auto"):
+    def __init__(self, checkpoint: Path, engines: Path, config: RuntimeConfig | None = None):
         from runtime.export_format import load_export
         from runtime.heads import Heads
         from runtime.tokenizer import load_tokenizer
 
         self.export = load_export(Path(checkpoint))
-        self.config = self.export.config
-        self.dims = Dims.from_config(self.config)
+        self.model_config = self.export.config
+        self.dims = Dims.from_config(self.model_config)
         self.tokenizer = load_tokenizer(Path(checkpoint))
         self.heads = Heads.from_safetensors(Path(checkpoint) / "heads.safetensors")
         self.calibration = self.export.calibration
-        self.backend: Backend = choose_backend(Path(engines), backend)
+        self.config = config or RuntimeConfig.from_env()
+        self.backend: Backend = choose_backend(Path(engines), self.config, Path(checkpoint))
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
-        self.image_token = int(self.config.get("image_token_id", IMAGE_PAD_ID))
-        self.prefix_cache = PrefixCache(int(os.environ.get("OMNIJEV_PREFIX_CACHE", PREFIX_CACHE)))
-        self._vision_tables: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+        self.image_token = int(self.model_config.get("image_token_id", IMAGE_PAD_ID))
+        # a hit reuses the very tensors the same inputs gave: bit-identical answers either way
+        self.prefix_cache: LRU[str, tuple[State, State]] = LRU(self.config.prefix_cache)
+        self._vision_tables: LRU[tuple, dict[str, torch.Tensor]] = LRU(VISION_TABLES)
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
 
     # -- request side -------------------------------------------------------------------
@@ -121,8 +122,7 @@ class Executor:
 
     def settle(self) -> int:
         """Waits for the backend's fixed-shape sessions still being built; how many there were."""
-        settle = getattr(self.backend, "settle", None)
-        return settle() if settle else 0
+        return self.backend.settle()
 
     def answer(self, body: bytes) -> dict:
         from runtime.strict_json import parse_body
@@ -156,7 +156,7 @@ class Executor:
 
     def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
         """Hidden states and log-probabilities of every question, through the engines."""
-        work = plan(prepared)
+        work = plan(prepared, self.config.question_batch)
         clock = Stopwatch(self.stages)
         with torch.inference_mode():
             key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None
@@ -223,16 +223,12 @@ class Executor:
         """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
         from runtime.model.vision import vision_inputs
 
-        tables = self._vision_tables.get(grid)
-        if tables is None:
+        def make() -> dict[str, torch.Tensor]:
             dtypes = self.backend.input_dtypes("vision")
-            inputs = vision_inputs(grid, self.pos_embed, self.config)
-            tables = {name: self.tensor(inputs[name], dtypes[name]) for name in inputs}
-            if len(self._vision_tables) >= VISION_TABLES:
-                self._vision_tables.popitem(last=False)
-            self._vision_tables[grid] = tables
-        self._vision_tables.move_to_end(grid)
-        return tables
+            inputs = vision_inputs(grid, self.pos_embed, self.model_config)
+            return {name: self.tensor(inputs[name], dtypes[name]) for name in inputs}
+
+        return self._vision_tables.get_or_make(grid, make)
 
     def output_name(self, graph: str, wanted: str) -> str:
         names = self.backend.output_names(graph)
@@ -319,7 +315,7 @@ class Executor:
     ) -> dict[str, torch.Tensor]:
         if not with_state and not self.backend.has_graph("lm_rows"):
             with_state = True  # an engine directory without the readout-only variant
-        limit = getattr(self.backend, "max_pass_tokens", None)
+        limit = self.backend.max_pass_tokens
         if limit and rows.shape[1] > limit:
             return self.run_split(rows, features, prefix, src, with_state, limit)
         graph = "lm_state" if with_state else "lm_rows"
@@ -419,33 +415,6 @@ class Executor:
     def dummy_features(self) -> torch.Tensor:
         dtype = self._lm_dtypes["image_features"]
         return torch.zeros(1, self.dims.hidden, dtype=dtype, device=self.device)
-
-
-class PrefixCache:
-    """A small LRU of image-prefix states. A hit reuses the very tensors the same inputs gave,
-    so answers are bit-identical with or without it; size 0 turns it off."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.entries: OrderedDict[str, tuple[State, State]] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def get(self, key: str) -> tuple[State, State] | None:
-        entry = self.entries.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self.entries.move_to_end(key)
-        return entry
-
-    def put(self, key: str, entry: tuple[State, State]) -> None:
-        if self.size <= 0:
-            return
-        self.entries[key] = entry
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
 
 
 def prefix_key(prepared: Prepared, work: Plan) -> str:
@@ -560,15 +529,20 @@ def warm_up_request() -> dict:
     }
 
 
-def load_engine(checkpoint: str, engines: str, backend: str = "auto") -> Executor:
-    return Executor(Path(checkpoint), Path(engines), backend)
+def load_engine(
+    checkpoint: str, engines: str, config: RuntimeConfig | str | None = None
+) -> Executor:
+    """The executor of a checkpoint and its engines; `config` may name just the backend."""
+    if isinstance(config, str):
+        config = RuntimeConfig.from_env(backend=config)
+    return Executor(Path(checkpoint), Path(engines), config)
 
 
 def cli_run(args) -> int:
     """`omnijev run REQUEST.json --checkpoint DIR --engines DIR`: answer in process."""
     from runtime.errors import BodyError, ContractError
 
-    executor = load_engine(args.checkpoint, args.engines, args.backend)
+    executor = load_engine(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
     body = Path(args.request).read_bytes()
     try:
         response = executor.answer(body)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +27,7 @@ ONNX_TRT = "onnx_trt"  # the variant the plans are built from (gdn="std")
 PLANS_DIR = "plans"
 TIMING_CACHE = "timing_cache.bin"
 SHA_SUFFIX = ".sha256"
-PLUGIN_ENV = "OMNIJEV_PLUGIN_LIBRARY"
+PLUGIN_ENV = "OMNIJEV_PLUGIN_LIBRARY"  # RuntimeConfig.plugin_library
 PLUGIN_DEFAULT = Path(__file__).resolve().parents[1] / "plugins" / "build" / "libomnijev_plugins.so"
 DIM = re.compile(r"^(?:(\d+)\*)?([A-Za-z_]\w*)$")  # "T" or "4*merged", as the export names axes
 
@@ -57,9 +56,10 @@ def is_rtx(trt: ModuleType) -> bool:
     return library_name(trt) == RTX
 
 
-def plugin_library() -> Path | None:
-    """The readout plugin library (plugins/), where it was built."""
-    path = Path(os.environ.get(PLUGIN_ENV) or PLUGIN_DEFAULT)
+def plugin_library(configured: str | None = None) -> Path | None:
+    """The readout plugin library (`RuntimeConfig.plugin_library`, else plugins/build/), where
+    it was built."""
+    path = Path(configured or PLUGIN_DEFAULT)
     return path if path.is_file() else None
 
 

@@ -8,11 +8,11 @@ other questions (docs/design.md).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.config import QUESTION_BATCH
 from runtime.constants import VISION_END_ID as VISION_END
 from runtime.types import Prepared, QuestionLayout
 
@@ -25,19 +25,9 @@ TEXT_STEP = 16  # question-text and option length bucket
 # their rounding into the answer. On the CPU and in float32 the batched answers happened to agree.
 # With this plan the same 20 questions gave the same bytes alone, together and reversed (4b, BF16,
 # H200, docs/measurements/h200-2026-11-30b).
-# OMNIJEV_QUESTION_BATCH (up to 16) batches that many questions a pass instead: fewer passes,
-# answers no longer invariant on the GPU in bfloat16.
-QUESTION_BATCH = 1
-MAX_QUESTION_BATCH = 16
+# RuntimeConfig.question_batch (up to 16) batches that many questions a pass instead: fewer
+# passes, answers no longer invariant on the GPU in bfloat16.
 OPTION_BATCH = 64  # option rows per pass, at most (the reference's chunk, model.md §8.4)
-
-
-def question_batch() -> int:
-    """Questions a pass: QUESTION_BATCH unless OMNIJEV_QUESTION_BATCH asks for more."""
-    asked = os.environ.get("OMNIJEV_QUESTION_BATCH")
-    if not asked:
-        return QUESTION_BATCH
-    return max(1, min(int(asked), MAX_QUESTION_BATCH))
 
 
 def bucket(n: int, step: int) -> int:
@@ -174,12 +164,12 @@ def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
     return ids, np.broadcast_to(base + np.arange(len(ids)), (3, len(ids))).astype(np.int64)
 
 
-def plan_questions(prepared: Prepared, start: int) -> list[QuestionPass]:
+def plan_questions(prepared: Prepared, start: int, batch: int) -> list[QuestionPass]:
     spans = [question_span(layout, start) for layout in prepared.layouts]
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
         groups.setdefault(bucket(len(ids), TEXT_STEP), []).append(qi)
-    passes, batch = [], question_batch()
+    passes = []
     for length, members in sorted(groups.items()):
         for chunk_start in range(0, len(members), batch):
             chunk = members[chunk_start : chunk_start + batch]
@@ -232,7 +222,8 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
     return passes
 
 
-def plan(prepared: Prepared) -> Plan:
+def plan(prepared: Prepared, question_batch: int = QUESTION_BATCH) -> Plan:
+    """The passes of a request; `question_batch` questions share a question pass."""
     prefix, n = plan_prefix(prepared)
-    questions = plan_questions(prepared, n)
+    questions = plan_questions(prepared, n, question_batch)
     return Plan(prefix, n, questions, plan_options(prepared, questions))

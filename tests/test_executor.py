@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -139,13 +138,13 @@ def test_cli_run(engines, tmp_path):
 
 
 def test_prefix_cache_reuses_the_image_prefix_without_changing_answers(executor):
-    from runtime.executor import PrefixCache
+    from runtime.lru import LRU
 
     image, mime = IMAGES["photo.jpg"]
     body = request_body(image, speed_bench_questions(3), mime)
-    executor.prefix_cache = PrefixCache(0)
+    executor.prefix_cache = LRU(0)
     computed = without_latency(executor.answer(body))
-    executor.prefix_cache = PrefixCache(2)
+    executor.prefix_cache = LRU(2)
     first = without_latency(executor.answer(body))
     second = without_latency(executor.answer(body))
     assert (executor.prefix_cache.misses, executor.prefix_cache.hits) == (1, 1)
@@ -171,22 +170,13 @@ def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypa
     expected = json.dumps(without_latency(executor.answer(body)))
     assert json.dumps(without_latency(static.answer(body))) == expected  # dynamic meanwhile
     assert static.settle() > 0  # the first sight of each signature started a build
-    graphs = {graph for graph, _ in static.backend._slots}
-    assert graphs == {"lm_state", "lm_rows"}
-    calls = Counter()
-    for slot in static.backend._slots.values():
-        original = slot.session.run_with_iobinding
-
-        def counted(*args, _original=original):
-            calls["fixed"] += 1
-            return _original(*args)
-
-        slot.session.run_with_iobinding = counted
+    assert static.backend.stats()["fixed_graphs"] == ["lm_rows", "lm_state"]
+    before = static.backend.stats()["fixed_runs"]
     assert json.dumps(without_latency(static.answer(body))) == expected
-    assert calls["fixed"] > 0  # the passes really ran through fixed sessions
+    assert static.backend.stats()["fixed_runs"] > before  # passes really ran in fixed sessions
     # the image size has now come back: its vision pass gets a fixed session too
     static.settle()
-    assert "vision" in {graph for graph, _ in static.backend._slots}
+    assert "vision" in static.backend.stats()["fixed_graphs"]
     assert json.dumps(without_latency(static.answer(body))) == expected
     assert static.settle() == 0  # nothing new to build
     assert static.backend.name == "onnxruntime-cpu+static"
@@ -208,7 +198,8 @@ def test_a_failed_fixed_shape_build_leaves_the_dynamic_session_answering(
     body = request_body(image, speed_bench_questions(2), mime)
     expected = json.dumps(without_latency(executor.answer(body)))
     assert json.dumps(without_latency(static.answer(body))) == expected
-    assert static.settle() > 0 and not static.backend._slots
+    assert static.settle() > 0 and static.backend.stats()["slots"] == 0
+    assert static.backend.stats()["failed_builds"] > 0
     assert json.dumps(without_latency(static.answer(body))) == expected
     assert static.settle() == 0  # failed signatures are not tried again
 
@@ -231,11 +222,11 @@ def test_graph_sessions_replay_under_their_own_ids_while_fixed_ones_build(
     expected = json.dumps(without_latency(executor.answer(body)))
     for _ in range(2):  # the second sight of the size starts the vision session's build
         assert json.dumps(without_latency(static.answer(body))) == expected
-    dynamic = [key for key in static.backend._slots if key[1][0] == "dynamic"]
-    assert [graph for graph, _ in dynamic] == ["vision"]  # one slot, reused for the size
+    stats = static.backend.stats()
+    assert stats["dynamic_graphs"] == ["vision"] and stats["slots"] == 1  # reused for the size
     static.settle()
     assert json.dumps(without_latency(static.answer(body))) == expected
-    assert ("vision", dynamic[0][1][1]) in static.backend._slots  # now the fixed session's
+    assert "vision" in static.backend.stats()["fixed_graphs"]  # now the fixed session's
 
 
 def test_batched_questions_answer_alike_on_the_cpu(executor, monkeypatch):
@@ -244,5 +235,5 @@ def test_batched_questions_answer_alike_on_the_cpu(executor, monkeypatch):
     image, mime = IMAGES["pattern.png"]
     body = request_body(image, {**speed_bench_questions(6), **gate_questions()}, mime)
     one = json.dumps(without_latency(executor.answer(body)))
-    monkeypatch.setenv("OMNIJEV_QUESTION_BATCH", "16")
+    executor.config = executor.config.with_(question_batch=16)
     assert json.dumps(without_latency(executor.answer(body))) == one

@@ -25,10 +25,10 @@ def tokenizer():
     return load_tokenizer(None)
 
 
-def planned(tokenizer, questions: dict) -> tuple:
+def planned(tokenizer, questions: dict, question_batch: int = 1) -> tuple:
     request = compile_request(parse_body(request_body(IMAGE, questions)))
     prepared = prepare(request, tokenizer)
-    return prepared, plan(prepared)
+    return prepared, plan(prepared, question_batch)
 
 
 def passes_of(prepared, work, qid: str) -> list[dict]:
@@ -73,11 +73,10 @@ def test_the_image_prefix_pass_is_shared(tokenizer):
     )
 
 
-def test_question_batching_is_opt_in(tokenizer, monkeypatch):
-    """OMNIJEV_QUESTION_BATCH trades the invariance above for fewer passes."""
+def test_question_batching_is_opt_in(tokenizer):
+    """RuntimeConfig.question_batch trades the invariance above for fewer passes."""
     prepared, work = planned(tokenizer, QUESTIONS)
-    monkeypatch.setenv("OMNIJEV_QUESTION_BATCH", "16")
-    _, batched = planned(tokenizer, QUESTIONS)
+    _, batched = planned(tokenizer, QUESTIONS, question_batch=16)
     assert len(work.questions) == len(QUESTIONS)
     assert len(batched.questions) < len(work.questions)
     assert max(len(qp.members) for qp in batched.questions) > 1

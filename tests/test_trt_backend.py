@@ -13,6 +13,7 @@ import torch
 from build_engines import trt_build
 from runtime import manifest as manifests
 from runtime.backends import trt as backend
+from runtime.backends.graphs import Slot
 from runtime.constants import DTYPES, GRAPHS
 from runtime.model.gdn import STD_MAX_TOKENS
 
@@ -74,7 +75,7 @@ def gpu_like(monkeypatch):
     """A library of the plans' version and a CUDA device of a chosen compute capability."""
     state = {"capability": (8, 9)}
     monkeypatch.setattr(
-        trt_build, "import_library", lambda name=None: FakeLibrary(name or manifests.RTX)
+        manifests, "import_library", lambda name=None: FakeLibrary(name or manifests.RTX)
     )
     monkeypatch.setattr(backend, "plan_validity", lambda trt, path: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -100,10 +101,10 @@ def test_reason_for_a_missing_plan_file(tmp_path):
 def test_reason_when_the_library_is_missing_or_another_version(tmp_path, monkeypatch):
     root = write_engines(tmp_path / "e", library=manifests.FULL, version="10.13.2.6",
                          device={"name": "NVIDIA H200", "compute_capability": "9.0"})  # fmt: skip
-    monkeypatch.setattr(trt_build, "import_library", lambda name=None: None)
+    monkeypatch.setattr(manifests, "import_library", lambda name=None: None)
     assert backend.unavailable_reason(root) == "plans need tensorrt, which is not importable"
     monkeypatch.setattr(
-        trt_build, "import_library", lambda name=None: FakeLibrary("tensorrt", "10.16.0.1")
+        manifests, "import_library", lambda name=None: FakeLibrary("tensorrt", "10.16.0.1")
     )
     assert backend.unavailable_reason(root) == (
         "plans were built with tensorrt 10.13.2.6; 10.16.0.1 is installed"
@@ -240,7 +241,7 @@ class StandInBackend(backend.TensorRTBackend):
         io = [{"name": "x", "mode": "input", "dtype": "float32", "shape": ["B", 8]},
               {"name": "y", "mode": "output", "dtype": "float32", "shape": ["B", 8]}]  # fmt: skip
         profiles = [{"name": "rows", "axes": {"B": [1, 4, 64]}}]
-        self.plans = {"g": backend.Plan(engine=None, io=io, profiles=profiles)}
+        self.plans = {"g": self._with_slots(backend.Plan(engine=None, io=io, profiles=profiles))}
         self.contexts = []
 
     def _bind(self, plan, profile, tensors):
@@ -248,7 +249,9 @@ class StandInBackend(backend.TensorRTBackend):
         context.inputs = {n: torch.empty_like(t) for n, t in tensors.items()}
         context.outputs = {"y": torch.empty_like(tensors["x"])}
         self.contexts.append(context)
-        return backend.Bound(context=context, inputs=context.inputs, outputs=context.outputs)
+        slot = Slot(inputs=context.inputs, outputs=context.outputs, state=context)
+        slot.capturable = self.capturable
+        return slot
 
 
 @pytest.mark.gpu
@@ -265,7 +268,7 @@ def test_run_captures_once_per_shape_then_replays(capturable):
             torch.testing.assert_close(y, 2 * x + 1)
     assert len(runner.contexts) == 2  # one per shape set
     assert runner.has_graph("g") and not runner.has_graph("lm_rows")
-    graphs = [bound.graph for bound in runner.plans["g"].bound.values()]
+    graphs = [slot.graph for slot in runner.plans["g"].slots.slots.values()]
     if capturable:
         assert all(g is not None for g in graphs)
         # warm-up enqueue and the captured one; replays do not call the context again

@@ -1,24 +1,43 @@
-"""Engine backends behind one interface: run a named graph on a dict of torch tensors.
+"""Engine backends behind one contract: run a named graph on named device tensors.
 
-`onnxruntime` runs the ONNX files (CPU; CUDA with IOBinding and CUDA graphs); `tensorrt` runs
-plans with `tensorrt` or `tensorrt_rtx`. The executor never sees which one it has.
+`onnxruntime` runs the ONNX files (CPU; CUDA with IOBinding and CUDA graphs), `tensorrt` runs plans
+with `tensorrt` or `tensorrt_rtx`, `torch` runs the model's own modules (compiled, with CUDA graphs
+on the GPU). The executor sees only `Backend`; static buffers and graph capture are
+`runtime.backends.graphs`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from runtime.config import RuntimeConfig
 
+BACKENDS = ("auto", "onnxruntime", "ort", "tensorrt", "torch")
+
+
+@runtime_checkable
 class Backend(Protocol):
-    name: str
-    device: torch.device
+    """What the executor may use of an engine, and nothing else."""
 
-    def has_graph(self, graph: str) -> bool: ...
+    name: str  # shown in logs, metrics and benchmark tables
+    device: torch.device  # where feeds and outputs live
+    max_pass_tokens: int | None  # the longest pass it takes in one run (None: any); longer
+    # passes are split by the executor
 
-    def input_dtypes(self, graph: str) -> dict[str, torch.dtype]: ...
+    def has_graph(self, graph: str) -> bool:
+        """Whether this graph exists (`lm_rows` is optional: `lm_state` answers option passes)."""
+        ...
+
+    def input_dtypes(self, graph: str) -> dict[str, torch.dtype]:
+        """The graph's inputs by name with their dtypes."""
+        ...
+
+    def output_names(self, graph: str) -> list[str]:
+        """The graph's outputs in order."""
+        ...
 
     def run(
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
@@ -26,9 +45,29 @@ class Backend(Protocol):
         """Run `graph`, writing into the preallocated `outputs` tensors."""
         ...
 
+    def prepare(self, signatures: list[tuple]) -> int:
+        """Build ahead of time what these pass signatures need (sessions, compiled code, CUDA
+        graphs; `runtime.backends.graphs.signature`); how many were new."""
+        ...
 
-def choose_backend(engines_dir: Path, backend: str = "auto", device: str | None = None) -> Backend:
-    """`auto`: TensorRT when a plan for this library exists and can run, else ONNX Runtime."""
+    def settle(self) -> int:
+        """Wait for work building in the background; how many builds there were."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters for metrics and benchmarks (slots, captures, replays...)."""
+        ...
+
+
+def choose_backend(
+    engines_dir: Path, config: RuntimeConfig | None = None, checkpoint: Path | None = None
+) -> Backend:
+    """`auto`: TensorRT when a plan for this library exists and can run; else the torch engine
+    on CUDA when fla-core and Triton import; else ONNX Runtime."""
+    config = config or RuntimeConfig.from_env()
+    backend = config.backend
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend in ("auto", "tensorrt"):
         try:
             from runtime.backends import trt
@@ -37,11 +76,31 @@ def choose_backend(engines_dir: Path, backend: str = "auto", device: str | None 
         else:
             reason = trt.unavailable_reason(engines_dir)
             if reason is None:
-                return trt.TensorRTBackend(engines_dir)
+                return trt.TensorRTBackend(engines_dir, config=config)
         if backend == "tensorrt":
             raise RuntimeError(f"tensorrt backend unavailable: {reason}")
-    if backend in ("auto", "onnxruntime", "ort"):
-        from runtime.backends.ort import OrtBackend
+    if backend in ("auto", "torch"):
+        torch_backend = torch_engine(engines_dir, config, checkpoint, required=backend == "torch")
+        if torch_backend is not None:
+            return torch_backend
+    from runtime.backends.ort import OrtBackend
 
-        return OrtBackend(engines_dir, device=device)
-    raise ValueError(f"unknown backend {backend!r}; expected auto, onnxruntime or tensorrt")
+    return OrtBackend(engines_dir, config=config)
+
+
+def torch_engine(
+    engines_dir: Path, config: RuntimeConfig, checkpoint: Path | None, required: bool
+) -> Backend | None:
+    """The compiled PyTorch engine where it is asked for or, for `auto`, where it is the fast
+    choice (CUDA with fla-core and Triton); None when `auto` should go on to ONNX Runtime."""
+    try:
+        from runtime.backends import compiled
+    except ImportError as error:
+        if required:
+            raise RuntimeError(f"torch backend unavailable: {error}") from None
+        return None
+    if not required and compiled.unavailable_reason(config) is not None:
+        return None
+    if checkpoint is None:
+        raise RuntimeError("torch backend needs the checkpoint directory")
+    return compiled.TorchBackend(Path(checkpoint), Path(engines_dir), config)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from runtime.backends.graphs import GraphSlots, Slot, like
+from runtime.config import RuntimeConfig
 from runtime.constants import GRAPHS
 
 log = logging.getLogger("omnijev.ort")
@@ -185,8 +186,6 @@ class SharedWeights:
         return tensor, ort.OrtValue.from_dlpack(tensor)
 
     def add_to(self, options: ort.SessionOptions, path: str) -> None:
-        if os.environ.get("OMNIJEV_SHARE_WEIGHTS", "1") == "0":
-            return  # each session reads its own copy from the files
         for name, key in self.load(path):
             options.add_initializer(name, self.values[key])
 
@@ -195,55 +194,43 @@ class SharedWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-@dataclass
-class GraphSlot:
-    """Persistent buffers of one captured shape signature."""
-
-    graph_id: int
-    feeds: dict[str, torch.Tensor]
-    outputs: dict[str, torch.Tensor]
-    binding: ort.IOBinding
-    options: ort.RunOptions
-    session: ort.InferenceSession
-
-
-def like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Persistent buffers shaped as these tensors (a slot's inputs or outputs)."""
-    return {name: torch.empty_like(t) for name, t in tensors.items()}
-
-
 def signature(feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> tuple:
     return tuple(
         (name, tuple(t.shape), t.dtype) for name, t in sorted({**feeds, **outputs}.items())
     )
 
 
+@dataclass
+class Bound:
+    """What a slot runs: a session, the binding of the slot's buffers and its graph id."""
+
+    session: ort.InferenceSession
+    binding: ort.IOBinding
+    options: ort.RunOptions
+    graph_id: int
+
+
 class OrtBackend:
     """Runs the ONNX Runtime variant of an engine directory."""
 
-    def __init__(
-        self,
-        engines_dir: Path,
-        device: str | None = None,
-        threads: int | None = None,
-        cuda_graphs: bool | None = None,
-    ):
+    def __init__(self, engines_dir: Path, config: RuntimeConfig | None = None):
+        config = config or RuntimeConfig.from_env()
         available = ort.get_available_providers()
         cuda = "CUDAExecutionProvider" in available and torch.cuda.is_available()
-        self.device = torch.device(device or ("cuda" if cuda else "cpu"))
+        self.device = torch.device(config.device or ("cuda" if cuda else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        threads = threads or int(os.environ.get("OMNIJEV_ORT_THREADS", "0")) or None
+        threads = config.ort_threads or None
+        on_gpu = self.device.type == "cuda"
         # on by default on CUDA: the H200 measurement (docs/measurements/h200-2026-11-30b) gave
         # answers identical to the dynamic sessions', byte for byte, and every workload faster
-        on_gpu = "1" if self.device.type == "cuda" else "0"
-        if cuda_graphs is None:
-            cuda_graphs = os.environ.get("OMNIJEV_CUDA_GRAPHS", on_gpu) == "1"
+        cuda_graphs = config.on(config.cuda_graphs, on_gpu)
         folder = onnx_dir(engines_dir)
         self.max_pass_tokens = max_pass_tokens(folder)
         # one session per shape signature with its dimensions fixed, so that ONNX Runtime folds
         # the shape arithmetic that otherwise keeps nodes on the CPU and CUDA graphs off
-        self.static = os.environ.get("OMNIJEV_STATIC_SHAPES", on_gpu) == "1"
+        self.static = config.on(config.static_shapes, on_gpu)
+        self.share_weights = config.share_weights
         # those sessions are built in the background (1-1.5 s each on the 4b): a pass whose
         # session is not ready yet runs in the dynamic session meanwhile, never waits for it
         self._builder = ThreadPoolExecutor(1, "omnijev-static") if self.static else None
@@ -265,8 +252,16 @@ class OrtBackend:
             graph: {i.name: ORT_TO_TORCH[i.type] for i in s.get_inputs()}
             for graph, s in self.sessions.items()
         }
-        self._slots: dict[tuple, GraphSlot] = {}
+        # ONNX Runtime captures and replays by itself under each slot's graph id: no torch capture
+        self.slots = GraphSlots(
+            self.device,
+            bind=self._dynamic_slot,
+            launch=self._launch,
+            size=MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS,
+            capture=False,
+        )
         self._graph_ids = 0
+        self.fixed_runs = 0
 
     @property
     def name(self) -> str:
@@ -293,7 +288,8 @@ class OrtBackend:
         options = session_options(self._threads, self.device.type == "cuda")
         for dim, size in (fixed or {}).items():
             options.add_free_dimension_override_by_name(dim, int(size))
-        self.weights.add_to(options, path)
+        if self.share_weights:  # else each session reads its own copy from the files
+            self.weights.add_to(options, path)
         return options
 
     def _session(self, path: str, graphs: bool, fixed: dict | None = None):
@@ -346,28 +342,24 @@ class OrtBackend:
     ) -> None:
         feeds = self._checked(graph, feeds)
         shapes = signature(feeds, outputs)
-        if self._fixed(graph, shapes):
-            slot = self._fixed_slot(graph, shapes, feeds, outputs)
-            if slot is not None:
-                self._replay(slot, feeds, outputs)
-                return
+        if self._fixed(graph, shapes) and self._fixed_slot(graph, shapes, feeds, outputs):
+            self.slots.run((graph, shapes), feeds, outputs)
+            return
         if self.graphs_on[graph]:
             # a graph-enabled session must never run without a graph id of its own: ORT would
             # replay whatever it captured under the default id, whatever the shapes now
-            self._replay(self._slot(graph, shapes, feeds, outputs), feeds, outputs)
+            self.slots.run((graph, ("dynamic", shapes)), feeds, outputs)
             return
         binding = io_binding(self.sessions[graph], feeds, outputs)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.sessions[graph].run_with_iobinding(binding)
 
-    def _fixed_slot(
-        self, graph: str, shapes: tuple, feeds: dict, outputs: dict
-    ) -> GraphSlot | None:
+    def _fixed_slot(self, graph: str, shapes: tuple, feeds: dict, outputs: dict) -> Slot | None:
         """This signature's fixed-shape slot; None while its session is being built (the build
         starts on first sight) or when the build failed."""
         key = (graph, shapes)
-        slot = self._slots.get(key)
+        slot = self.slots.get(key)
         if slot is not None or key in self._failed:
             return slot
         if key not in self._builds:
@@ -379,7 +371,7 @@ class OrtBackend:
             return None
         return self._install(key)
 
-    def _install(self, key: tuple) -> GraphSlot | None:
+    def _install(self, key: tuple) -> Slot | None:
         build, feeds, outputs = self._builds.pop(key)
         try:
             session = build.result()
@@ -412,32 +404,41 @@ class OrtBackend:
         self.static_graphs_on[graph] = self.static_graphs_on.get(graph, True) and graphs
         return session
 
-    def _slot(self, graph: str, shapes: tuple, feeds: dict, outputs: dict) -> GraphSlot:
-        """The dynamic session's CUDA-graph slot for this signature (made on first use), apart
-        from the fixed-shape slot the same signature may get."""
-        key = (graph, ("dynamic", shapes))
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._new_slot(key, self.sessions[graph], like(feeds), like(outputs))
-        return slot
+    def _dynamic_slot(self, key: tuple, feeds: dict, outputs: dict) -> Slot:
+        """The dynamic session's CUDA-graph slot for a signature, apart from the fixed-shape
+        slot the same signature may get."""
+        return self._new_slot(key, self.sessions[key[0]], like(feeds), like(outputs))
 
-    def _new_slot(self, key: tuple, session: ort.InferenceSession, feeds, outputs) -> GraphSlot:
+    def _new_slot(self, key: tuple, session: ort.InferenceSession, feeds, outputs) -> Slot:
         """Persistent buffers bound to `session` under a graph id of their own."""
-        if len(self._slots) >= (MAX_STATIC_SESSIONS if self.static else MAX_CUDA_GRAPHS):
-            self._slots.pop(next(iter(self._slots)))  # the least recently created
         binding = io_binding(session, feeds, outputs)
         options = ort.RunOptions()
         self._graph_ids += 1  # 0 is ORT's default id; never reused after an eviction
         options.add_run_config_entry("gpu_graph_id", str(self._graph_ids))
-        slot = GraphSlot(self._graph_ids, feeds, outputs, binding, options, session)
-        self._slots[key] = slot
-        return slot
+        slot = Slot(feeds, outputs, state=Bound(session, binding, options, self._graph_ids))
+        slot.meta["fixed"] = key[1][0] != "dynamic"
+        return self.slots.install(key, slot)
 
-    def _replay(self, slot: GraphSlot, feeds: dict, outputs: dict) -> None:
-        for name, tensor in feeds.items():
-            slot.feeds[name].copy_(tensor, non_blocking=True)
+    def _launch(self, slot: Slot) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        slot.session.run_with_iobinding(slot.binding, slot.options)
-        for name, tensor in outputs.items():
-            tensor.copy_(slot.outputs[name], non_blocking=True)
+        bound = slot.state
+        bound.session.run_with_iobinding(bound.binding, bound.options)
+        self.fixed_runs += slot.meta["fixed"]
+
+    def prepare(self, signatures: list[tuple]) -> int:
+        """Sessions are built on a signature's first sight; warm-up requests bring them."""
+        return 0
+
+    def stats(self) -> dict:
+        """Slot counters, which graphs have fixed-shape and dynamic CUDA-graph slots, how many
+        passes ran in fixed-shape sessions and how many builds are pending or failed."""
+        keys = list(self.slots.slots)
+        return {
+            **self.slots.stats(),
+            "fixed_graphs": sorted({g for g, shapes in keys if shapes[0] != "dynamic"}),
+            "dynamic_graphs": sorted({g for g, shapes in keys if shapes[0] == "dynamic"}),
+            "fixed_runs": self.fixed_runs,
+            "pending_builds": len(self._builds),
+            "failed_builds": len(self._failed),
+        }

@@ -9,13 +9,14 @@ a CUDA graph captured around `execute_async_v3`; where capture fails it runs by 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from runtime import manifest as manifests
+from runtime.backends.graphs import GraphSlots, Slot
+from runtime.config import RuntimeConfig
 from runtime.constants import DTYPES
 
 MAX_BOUND = 128  # shape sets kept bound (context, buffers, graph); the least recent go first
@@ -127,22 +128,12 @@ def unavailable_reason(engines_dir: Path) -> str | None:
 
 
 @dataclass
-class Bound:
-    """One shape set of one graph: its context, persistent buffers and CUDA graph."""
-
-    context: object
-    inputs: dict[str, torch.Tensor]
-    outputs: dict[str, torch.Tensor]
-    graph: torch.cuda.CUDAGraph | None = None
-
-
-@dataclass
 class Plan:
     engine: object
     io: list[dict]
     profiles: list[dict]
     scratch: torch.Tensor | None = None
-    bound: OrderedDict = field(default_factory=OrderedDict)
+    slots: GraphSlots | None = None
 
     @property
     def inputs(self) -> list[dict]:
@@ -159,10 +150,10 @@ class TensorRTBackend:
     def __init__(
         self,
         engines_dir: Path,
-        device: str | None = None,
-        capture: bool = True,
+        config: RuntimeConfig | None = None,
         verify: bool = True,
     ):
+        config = config or RuntimeConfig.from_env()
         engines_dir = Path(engines_dir)
         reason = unavailable_reason(engines_dir)
         if reason is not None:
@@ -177,9 +168,9 @@ class TensorRTBackend:
         plans = manifest["plans"]
         self.trt = manifests.import_library(plans["library"])
         self.name = plans["library"]
-        self.device = torch.device(device or "cuda")
+        self.device = torch.device(config.device or "cuda")
         self.max_pass_tokens = plans["max_pass_tokens"]  # the executor splits longer passes
-        self.capture = capture
+        self.capture = config.on(config.cuda_graphs, True)
         self._lock = threading.Lock()  # one enqueue at a time: contexts share scratch memory
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)  # never the default stream (§7.1)
@@ -198,7 +189,20 @@ class TensorRTBackend:
             engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
             raise RuntimeError(f"{path.name}: deserialization failed")
-        return Plan(engine=engine, io=entry["io"], profiles=entry["profiles"])
+        return self._with_slots(Plan(engine=engine, io=entry["io"], profiles=entry["profiles"]))
+
+    def _with_slots(self, plan: Plan) -> Plan:
+        """A context, buffers and CUDA graph per shape set, bound on first use (the profile is
+        the key's second field)."""
+        plan.slots = GraphSlots(
+            self.device,
+            bind=lambda key, feeds, outputs: self._bind(plan, key[1], feeds),
+            launch=self._enqueue,
+            size=MAX_BOUND,
+            capture=self.capture,
+            stream=self.stream,
+        )
+        return plan
 
     # -- interface ----------------------------------------------------------------------------
 
@@ -218,30 +222,25 @@ class TensorRTBackend:
         tensors = self._inputs(graph, plan, feeds)
         values = axis_values(plan.inputs, {name: t.shape for name, t in tensors.items()})
         profile = select_profile(plan.profiles, values)
-        key = (profile, *(tuple(t.shape) for t in tensors.values()))
+        key = (graph, profile, *(tuple(t.shape) for t in tensors.values()))
         current = torch.cuda.current_stream(self.device)
         with self._lock:
             self.stream.wait_stream(current)  # the feeds were written on the caller's stream
             with torch.cuda.stream(self.stream):
-                bound = plan.bound.get(key)
-                if bound is None:
-                    bound = self._bind(plan, profile, tensors)
-                    self._copy_in(bound, tensors)
-                    self._enqueue(bound)  # warm-up: lazy initialization stays out of the graph
-                    self.stream.synchronize()
-                    bound.graph = self._capture(bound) if self.capture else None
-                    self._keep(plan, key, bound)
-                else:
-                    plan.bound.move_to_end(key)
-                    self._copy_in(bound, tensors)
-                    if bound.graph is not None:
-                        bound.graph.replay()
-                    else:
-                        self._enqueue(bound)
-                for name, out in outputs.items():
-                    out.copy_(bound.outputs[name], non_blocking=True)
-                    out.record_stream(self.stream)
+                plan.slots.run(key, tensors, outputs)
+                for tensor in (*tensors.values(), *outputs.values()):
+                    tensor.record_stream(self.stream)
             current.wait_stream(self.stream)
+
+    def prepare(self, signatures: list) -> int:
+        """Nothing to build ahead: a shape set is bound and captured on its first two runs."""
+        return 0
+
+    def settle(self) -> int:
+        return 0
+
+    def stats(self) -> dict:
+        return {graph: plan.slots.stats() for graph, plan in self.plans.items()}
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -276,7 +275,7 @@ class TensorRTBackend:
             context.device_memory = scratch.data_ptr()
         return context
 
-    def _bind(self, plan: Plan, profile: int, tensors: dict[str, torch.Tensor]) -> Bound:
+    def _bind(self, plan: Plan, profile: int, tensors: dict[str, torch.Tensor]) -> Slot:
         """A context for one shape set; shapes and addresses are set once, before any capture."""
         context = self._context(plan)
         context.set_optimization_profile_async(profile, self.stream.cuda_stream)
@@ -294,34 +293,10 @@ class TensorRTBackend:
                 shape, dtype=DTYPES[item["dtype"]], device=self.device
             )
             context.set_tensor_address(item["name"], outputs[item["name"]].data_ptr())
-        return Bound(context=context, inputs=inputs, outputs=outputs)
+        capturable = getattr(context, "is_stream_capturable", None)
+        slot = Slot(inputs=inputs, outputs=outputs, state=context)
+        slot.capturable = capturable is None or bool(capturable(self.stream.cuda_stream))
+        return slot
 
-    def _copy_in(self, bound: Bound, tensors: dict[str, torch.Tensor]) -> None:
-        for name, tensor in tensors.items():
-            bound.inputs[name].copy_(tensor, non_blocking=True)
-            tensor.record_stream(self.stream)
-
-    def _enqueue(self, bound: Bound) -> None:
-        if not bound.context.execute_async_v3(self.stream.cuda_stream):
-            raise RuntimeError("tensorrt enqueue failed")
-
-    def _capture(self, bound: Bound) -> torch.cuda.CUDAGraph | None:
-        """A CUDA graph of one enqueue, or None where the engine cannot be captured."""
-        handle = self.stream.cuda_stream
-        capturable = getattr(bound.context, "is_stream_capturable", None)
-        if capturable is not None and not capturable(handle):
-            return None
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread-local: the server's other threads may touch CUDA meanwhile (§12.2)
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                captured = bound.context.execute_async_v3(handle)
-        except RuntimeError:
-            captured = False
-            torch.cuda.synchronize(self.device)
-        return graph if captured else None
-
-    def _keep(self, plan: Plan, key: tuple, bound: Bound) -> None:
-        plan.bound[key] = bound
-        while len(plan.bound) > MAX_BOUND:
-            plan.bound.popitem(last=False)
+    def _enqueue(self, slot: Slot) -> bool:
+        return bool(slot.state.execute_async_v3(self.stream.cuda_stream))

@@ -1,0 +1,136 @@
+"""Static buffers and CUDA graphs per shape signature, shared by every backend that captures:
+bind once, run eagerly once (lazy initialisation stays out of the graph), capture, then replay.
+
+Follows PyTorch's `torch.cuda.graph` rules (static addresses, a side stream, warm-up before
+capture) and engines.md §7: a graph replays only with the very buffers it was captured on, so
+feeds are copied in and outputs copied out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.lru import LRU
+
+log = logging.getLogger("omnijev.graphs")
+
+Signature = tuple  # hashable: (graph, *(name, shape, dtype) ...) or whatever a backend keys by
+
+
+@dataclass
+class Slot:
+    """One shape signature: its persistent input and output buffers, the backend's own state for
+    it (a TensorRT context, a compiled callable) and its CUDA graph once captured."""
+
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    state: Any = None
+    graph: torch.cuda.CUDAGraph | None = None
+    launches: int = 0
+    capturable: bool = True
+    meta: dict = field(default_factory=dict)
+
+
+def signature(graph: str, feeds: dict[str, torch.Tensor]) -> Signature:
+    """The key a pass's buffers and graph are kept under: every feed's name, shape and dtype."""
+    return (graph, *((name, tuple(t.shape), t.dtype) for name, t in feeds.items()))
+
+
+def like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Persistent buffers shaped as these tensors (a slot's inputs or outputs)."""
+    return {
+        name: torch.empty_like(t, memory_format=torch.contiguous_format)
+        for name, t in tensors.items()
+    }
+
+
+Bind = Callable[[Signature, dict[str, torch.Tensor], dict[str, torch.Tensor]], Slot]
+
+
+class GraphSlots:
+    """An LRU of slots. `bind(key, feeds, outputs)` makes a slot (buffers shaped like the feeds
+    and outputs); `launch(slot)` runs the work on the current stream reading `slot.inputs`,
+    writing `slot.outputs` (returning False when it could not be enqueued). With `capture`, the
+    launch after `warm_launches` eager ones is captured and every later run replays it; a launch
+    that cannot be captured keeps running eagerly."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        bind: Bind,
+        launch: Callable[[Slot], bool | None],
+        size: int,
+        capture: bool,
+        warm_launches: int = 1,
+        stream: torch.cuda.Stream | None = None,
+    ):
+        self.device = device
+        self.bind, self.launch = bind, launch
+        self.capture = capture and device.type == "cuda"
+        self.warm_launches = warm_launches
+        self.stream = stream
+        self.slots: LRU[Signature, Slot] = LRU(size)
+        self.captured = self.replays = self.eager = 0
+
+    def run(
+        self, key: Signature, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+    ) -> Slot:
+        """Runs one pass: feeds copied into the slot, replay or launch, outputs copied out."""
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.install(key, self.bind(key, feeds, outputs))
+        for name, tensor in feeds.items():
+            slot.inputs[name].copy_(tensor, non_blocking=True)
+        if slot.graph is not None:
+            slot.graph.replay()
+            self.replays += 1
+        elif self.capture and slot.capturable and slot.launches >= self.warm_launches:
+            self._capture(slot)
+        else:
+            if self.launch(slot) is False:
+                raise RuntimeError(f"{key[0]}: enqueue failed")
+            slot.launches += 1
+            self.eager += 1
+        for name, out in outputs.items():
+            out.copy_(slot.outputs[name], non_blocking=True)
+        return slot
+
+    def install(self, key: Signature, slot: Slot) -> Slot:
+        """Keeps a slot a backend made itself (a session built in the background, say)."""
+        return self.slots.put(key, slot)
+
+    def get(self, key: Signature) -> Slot | None:
+        return self.slots.entries.get(key)
+
+    def _capture(self, slot: Slot) -> None:
+        """Captures one launch and replays it (a capture records, it does not run)."""
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread-local: the server's other threads may touch CUDA meanwhile
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                if self.launch(slot) is False:
+                    raise RuntimeError("enqueue refused under capture")
+        except RuntimeError as error:
+            log.warning("capture failed, running eagerly: %s", error)
+            torch.cuda.synchronize(self.device)
+            slot.capturable = False
+            self.launch(slot)
+            return
+        slot.graph = graph
+        self.captured += 1
+        graph.replay()
+        self.replays += 1
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "slots": len(self.slots),
+            "captured": self.captured,
+            "replays": self.replays,
+            "eager": self.eager,
+        }

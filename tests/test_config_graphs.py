@@ -1,0 +1,84 @@
+"""The runtime configuration (one object from the environment and the command line) and the
+shared static-buffer helper of the backends (runtime.backends.graphs) on the CPU."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from runtime import config as settings
+from runtime.backends.graphs import GraphSlots, Slot, like, signature
+from runtime.config import RuntimeConfig
+
+
+def test_defaults_then_environment_then_overrides():
+    assert RuntimeConfig.from_env({}) == RuntimeConfig()
+    env = {"OMNIJEV_PREFIX_CACHE": "0", "OMNIJEV_STATIC_SHAPES": "1", "OMNIJEV_BACKEND": "ort"}
+    config = RuntimeConfig.from_env(env, backend="torch", cuda_graphs=None)
+    assert (config.prefix_cache, config.static_shapes, config.backend) == (0, True, "torch")
+    assert config.cuda_graphs is None and config.on(config.cuda_graphs, cuda=True)
+    assert not config.on(False, cuda=True) and not config.on(None, cuda=False)
+
+
+def test_bad_settings_are_refused_with_the_limit():
+    with pytest.raises(ValueError, match="OMNIJEV_PREFIX_CACHE must be an integer, got 'x'"):
+        RuntimeConfig.from_env({"OMNIJEV_PREFIX_CACHE": "x"})
+    with pytest.raises(ValueError, match="OMNIJEV_CUDA_GRAPHS must be 0 or 1"):
+        RuntimeConfig.from_env({"OMNIJEV_CUDA_GRAPHS": "maybe"})
+    with pytest.raises(ValueError, match="question_batch must be 1..16, got 17"):
+        RuntimeConfig(question_batch=17)
+
+
+def test_command_line_options_cover_every_setting():
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser)
+    args = parser.parse_args(["--backend", "torch", "--no-share-weights", "--question-batch", "4"])
+    config = RuntimeConfig.from_args(args, environ={"OMNIJEV_ORT_THREADS": "3"})
+    assert (config.backend, config.share_weights, config.question_batch) == ("torch", False, 4)
+    assert config.ort_threads == 3  # the environment where the command line is silent
+    options = {a.dest for a in parser._actions}
+    fields = set(RuntimeConfig.__dataclass_fields__)
+    assert fields <= options
+
+
+def doubling_slots(size: int) -> tuple[GraphSlots, list]:
+    bound = []
+
+    def bind(key, feeds, outputs):
+        bound.append(key)
+        return Slot(like(feeds), like(outputs))
+
+    def launch(slot):
+        torch.mul(slot.inputs["x"], 2, out=slot.outputs["y"])
+
+    return GraphSlots(torch.device("cpu"), bind, launch, size=size, capture=True), bound
+
+
+def test_slots_bind_once_per_signature_and_copy_in_and_out():
+    slots, bound = doubling_slots(size=2)
+    for step in range(3):
+        for rows in (2, 3):
+            x = torch.full((rows, 4), float(step))
+            y = torch.empty_like(x)
+            slots.run(signature("g", {"x": x}), {"x": x}, {"y": y})
+            assert torch.equal(y, 2 * x)
+    assert len(bound) == 2  # one slot per shape; the CPU never captures
+    assert slots.stats() == {"slots": 2, "captured": 0, "replays": 0, "eager": 6}
+    x = torch.ones(5, 4)
+    slots.run(signature("g", {"x": x}), {"x": x}, {"y": torch.empty_like(x)})
+    assert len(slots.slots) == 2 and len(bound) == 3  # the least recently used went
+
+
+def test_a_refused_launch_is_an_error():
+    slots = GraphSlots(
+        torch.device("cpu"),
+        lambda key, feeds, outputs: Slot(like(feeds), like(outputs)),
+        lambda slot: False,
+        size=1,
+        capture=False,
+    )
+    x = torch.ones(1)
+    with pytest.raises(RuntimeError, match="g: enqueue failed"):
+        slots.run(signature("g", {"x": x}), {"x": x}, {})
