@@ -245,11 +245,7 @@ class Heads:
     ) -> np.ndarray:
         """mu [K]: Noul sigmoid(logit); otherwise softmax([logits…, abstain])[:K]."""
         logit, abstain = self.option_scorer(zq, u, feats, type_id)
-        if type_id == TYPE_IDS["noul"]:
-            mu = sigmoid(logit)
-        else:
-            mu = softmax(np.append(logit, abstain).astype(np.float32))[:-1]
-        return _check_output(mu, logit.shape[0])
+        return _check_output(option_probabilities(logit, abstain, type_id), logit.shape[0])
 
     @_quiet
     def ordinal_mu(self, zq: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -264,6 +260,14 @@ class Heads:
         cdf[-1] = np.float32(1.0)
         p = np.concatenate([cdf[:1], cdf[1:] - cdf[:-1]])
         return _check_output(np.maximum(p, ORDINAL_FLOOR).astype(np.float32), u.shape[0])
+
+
+def option_probabilities(logit: np.ndarray, abstain: np.floating, type_id: int) -> np.ndarray:
+    """The scorer's normalisation: Noul sigmoid(logit); otherwise softmax([logits…, abstain])
+    without the abstain entry."""
+    if type_id == TYPE_IDS["noul"]:
+        return sigmoid(logit)
+    return softmax(np.append(logit, abstain).astype(np.float32))[:-1]
 
 
 def lm_features(picked: Sequence[np.ndarray], first: Sequence[float | None]) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -186,7 +187,6 @@ def small_heads(hidden: int = 16):
     ],
 )
 def test_answer_question_end_to_end(qtype: str, keys: tuple, picked: list) -> None:
-    from runtime.heads import question_mu
     from runtime.types import Question, QuestionReadout
 
     heads = small_heads()
@@ -200,8 +200,18 @@ def test_answer_question_end_to_end(qtype: str, keys: tuple, picked: list) -> No
     )
     answer = answer_question(heads, Calibration.v11(), question, readout, 0.25, 0.5)
     assert list(answer) == ANSWER_FIELDS[qtype]
-    mu = question_mu(heads, qtype, readout)
-    assert answer == finish_answer(qtype, keys, mu, Calibration.v11(), 0.25, 0.5)
+    assert (answer["latency_s"], answer["latency_total_s"]) == (0.25, 0.5)
+    # the answer follows the readout: another question state moves it
+    moved = replace(readout, zq=readout.zq + 1.0)
+    assert answer_question(heads, Calibration.v11(), question, moved, 0.25, 0.5) != answer
+    if qtype == "choice":  # the picked log-probabilities reach it as LM features, and only so
+        louder = replace(readout, picked=[p - 3.0 for p in readout.picked])
+        assert answer_question(heads, Calibration.v11(), question, louder, 0.25, 0.5) != answer
+        plain = [
+            answer_question(heads, Calibration.v11(), question, r, 0, 0, lm_feats=False)
+            for r in (readout, louder)
+        ]
+        assert plain[0] == plain[1]
     if qtype != "noul":
         assert answer[qtype] in keys
         assert list(answer["probabilities"]) == list(keys)

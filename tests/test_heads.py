@@ -19,9 +19,8 @@ from runtime.heads import (
     gelu,
     head_shapes,
     lm_features,
+    option_probabilities,
     question_mu,
-    sigmoid,
-    softmax,
 )
 from runtime.types import QuestionReadout
 from tests.spec import FIXTURES
@@ -315,8 +314,7 @@ def test_heads_fixture_normalization(case: dict) -> None:
     logits = np.array(case["logits"], np.float32)
     k = case["options"]
     assert logits.shape == (k + 1,)
-    mu = sigmoid(logits[:k]) if case["type_id"] == 0 else softmax(logits)[:k]
-    close(mu, case["mu"], 1e-6)
+    close(option_probabilities(logits[:k], logits[k], case["type_id"]), case["mu"], 1e-6)
 
 
 @pytest.mark.real_heads
