@@ -4,15 +4,9 @@ Follows the TensorRT Python API (engines.md §2-§4) and its TensorRT-RTX varian
 selection (`tensorrt`, else TensorRT-RTX), strongly typed networks parsed with external data,
 optimization profiles over the contract's limits, a timing cache pinned by its SHA-256.
 
-Rebuilds: plans of static shapes are byte-identical as a rule (19 of 20 rebuilds); with dynamic
-axes, tensorrt_rtx 1.7.1 gives plans of the same size whose shape-symbol ids (small negative
-integers in the I/O and Myelin sections) and Myelin tensor names (`__mye<N>`) are numbered in an
-order that depends on heap addresses (address randomization, environment, earlier allocations in
-the process) and on the timing of the builder's own worker threads (19 started per build, two at a
-time, on a 2-core machine). Builds were reproducible only with all three pinned (no address
-randomization, one process history, SCHED_FIFO on one CPU), which is not a build setting; no
-builder flag, level, target or profile choice removed it. Checks use the manifest's hashes of each
-input and plan.
+Rebuilds are not always byte-identical (TensorRT-RTX numbers shape symbols and Myelin tensors in
+an order that follows heap addresses and thread timing: docs/measurements/rtx-rebuilds.md), so
+checks use the manifest's hashes of each input and plan.
 """
 
 from __future__ import annotations
