@@ -1,17 +1,22 @@
 """The HTTP worker: `POST /v1/systemone`, `GET /health` and `GET /metrics` on FastAPI.
 
 Follows the native worker's main.rs (contract.md §1): the same routes, order of checks, statuses,
-bodies and admission; unlike it, the server binds at once and warms up in the background.
+bodies and admission; unlike it, the server binds before loading and warms up in the background,
+and it guards the body read (upload slots, deadlines), the Host and the Content-Type (issue 14).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
@@ -27,8 +32,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from runtime.errors import BodyError, ContractError
 from runtime.strict_json import parse_body
 from runtime.types import Prepared
+from server import memory
 from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
 from server.metrics import CONTENT_TYPE, DECISION_PATH, Metrics, RequestRecord
+from server.protocol import MAX_HEADER_BYTES, GuardedH11Protocol
 
 MAX_BODY = 12 * 1024 * 1024  # contract.md §1.4: 12,582,912 bytes
 # a refused body up to this size is read and dropped so that its client reads the 413 instead
@@ -42,6 +49,20 @@ GRACEFUL_SHUTDOWN_S = 300
 # warm-up rounds once the fixed-shape sessions built during the first have settled: ONNX
 # Runtime runs a pass before it captures its CUDA graph, and replays from the next
 SETTLED_ROUNDS = 2
+# a body must arrive within this: 12 MiB at 4 Mbit/s takes 25 s; a stalled client gets 408
+BODY_READ_S = 30.0
+# bodies declared larger than this, or sent without a length, are read and parsed in one of
+# UPLOADS slots: a 12 MiB body costs up to 1 s of strict parse and 300 MiB while parsed, so two
+# at once bound both, while a typical request (an image of a few hundred KiB) never waits
+LARGE_BODY = 1024 * 1024
+UPLOADS = 2
+SMALL_PARSERS = 2  # threads parsing the small bodies, apart from the large ones
+# the Host header must name one of these (a browser page elsewhere cannot reach the worker);
+# OMNIJEV_ALLOWED_HOSTS="a,b" replaces them, "*" allows any
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+ALLOWED_HOSTS_ENV = "OMNIJEV_ALLOWED_HOSTS"
+DOCS_ENV = "OMNIJEV_DOCS"  # "0" turns off /docs, /redoc and /openapi.json
+JSON_TYPE = "application/json"
 
 log = logging.getLogger("omnijev.server")
 
@@ -193,8 +214,35 @@ def request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
-async def read_body(request: Request) -> bytes | None:
-    """The body, or None when it exceeds 12 MiB: Content-Length first, then counted as it comes."""
+class BodyTimeout(Exception):
+    """The body did not arrive within BODY_READ_S."""
+
+
+class Draining(Exception):
+    """The worker began shutting down while the body was still arriving."""
+
+
+async def read_body(request: Request, deadline_s: float, draining: asyncio.Event) -> bytes | None:
+    """The body, or None when it exceeds 12 MiB: Content-Length first, then counted as it comes.
+
+    Raises BodyTimeout after `deadline_s`, Draining once `draining` is set.
+    """
+    reading = asyncio.ensure_future(collect_body(request))
+    stopping = asyncio.ensure_future(draining.wait())
+    try:
+        done, _ = await asyncio.wait(
+            (reading, stopping), timeout=deadline_s, return_when="FIRST_COMPLETED"
+        )
+    finally:
+        stopping.cancel()
+        if not reading.done():
+            reading.cancel()
+    if reading in done:
+        return reading.result()
+    raise Draining() if draining.is_set() else BodyTimeout()
+
+
+async def collect_body(request: Request) -> bytes | None:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:
         # without a 100 Continue the client sends nothing more; a huge body is not worth reading
@@ -213,6 +261,38 @@ async def read_body(request: Request) -> bytes | None:
         else:
             chunks.clear()
     return b"".join(chunks) if size <= MAX_BODY else None
+
+
+def is_large(request: Request) -> bool:
+    """A body declared over LARGE_BODY, or sent without a length (chunked)."""
+    declared = request.headers.get("content-length", "")
+    return not declared.isdigit() or int(declared) > LARGE_BODY
+
+
+class Uploads:
+    """The upload slots: large bodies are read and parsed UPLOADS at a time, each in a thread."""
+
+    def __init__(self, slots: int = UPLOADS) -> None:
+        self.free = slots
+        self.large_pool = ThreadPoolExecutor(slots, thread_name_prefix="omnijev-parse-large")
+        self.small_pool = ThreadPoolExecutor(SMALL_PARSERS, thread_name_prefix="omnijev-parse")
+
+    def take(self) -> bool:
+        if self.free == 0:
+            return False
+        self.free -= 1
+        return True
+
+    def give_back(self) -> None:
+        self.free += 1
+
+    async def parse(self, body: bytes, large: bool) -> dict:
+        pool = self.large_pool if large else self.small_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, parse_body, body)
+
+    def close(self) -> None:
+        self.large_pool.shutdown(wait=True)
+        self.small_pool.shutdown(wait=True)
 
 
 async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
@@ -257,6 +337,56 @@ class RequestLog:
         finally:
             record.total_s = time.perf_counter() - start
             self.metrics.observe(record)
+
+
+def allowed_hosts_from_env() -> tuple[str, ...]:
+    """OMNIJEV_ALLOWED_HOSTS as a tuple of host names, else the local names."""
+    value = os.environ.get(ALLOWED_HOSTS_ENV)
+    if value is None:
+        return LOCAL_HOSTS
+    return tuple(name.strip().lower() for name in value.split(",") if name.strip())
+
+
+def host_name(value: str) -> str:
+    """The host of a Host header, without its port: `[::1]:8000` -> `::1`."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+class Guard:
+    """ASGI middleware: the Host must be allowed (400), a decision must be JSON (415)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: Sequence[str]) -> None:
+        self.app = app
+        self.any_host = "*" in allowed_hosts
+        self.allowed = {name.lower() for name in allowed_hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> JSONResponse | None:
+        host = host_name(header(scope, b"host"))
+        if not self.any_host and host not in self.allowed:
+            return error(400, f"host {host!r} is not allowed")
+        if scope["method"] == "POST" and scope["path"] == DECISION_PATH:
+            media = header(scope, b"content-type").split(";")[0].strip().lower()
+            if media != JSON_TYPE:
+                return error(415, f"content type must be {JSON_TYPE}, not {media!r}")
+        return None
 
 
 class Worker:
@@ -339,9 +469,18 @@ def create_app(
     admitted: int = ADMITTED,
     preparing: int = PREPARING,
     warm_ups: Sequence[dict] = (),
+    uploads: int = UPLOADS,
+    body_read_s: float = BODY_READ_S,
+    allowed_hosts: Sequence[str] | None = None,
+    docs: bool | None = None,
 ) -> FastAPI:
     """The worker's app. It listens at once and warms up in a background thread at startup;
     `warm_ups` are parsed request bodies run after the built-in warm-up request.
+
+    Large bodies are read and parsed `uploads` at a time (503 busy beyond), every body within
+    `body_read_s` (408 after). `allowed_hosts` (default: OMNIJEV_ALLOWED_HOSTS, else the local
+    names) bounds the Host header; `docs` false (default: OMNIJEV_DOCS != "0") removes /docs,
+    /redoc and /openapi.json.
 
     Until the warm-up request has run through engine.prepare and engine.execute, `GET /health`
     answers 503 `{"status": "warming up"}` and `POST /v1/systemone` answers 503
@@ -351,6 +490,10 @@ def create_app(
     scheduler = Scheduler(admitted, preparing)
     metrics = Metrics(scheduler)
     worker = Worker(engine, scheduler, warm_ups)
+    slots = Uploads(uploads)
+    draining = asyncio.Event()  # set by ListeningServer when shutdown begins
+    if docs is None:
+        docs = os.environ.get(DOCS_ENV, "1") != "0"
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -358,14 +501,22 @@ def create_app(
         yield
         await warming
         await scheduler.close()
+        slots.close()
 
     app = FastAPI(
         title="OmniJev worker",
         version="1.1",
         description="OmniJev-4B decisions over one image: noul, choice and score questions.",
         lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
-    app.add_middleware(RequestLog, metrics=metrics)
+    app.router.redirect_slashes = False  # `/v1/systemone/` is 404, never a redirect
+    app.state.draining = draining
+    hosts = allowed_hosts_from_env() if allowed_hosts is None else tuple(allowed_hosts)
+    app.add_middleware(Guard, allowed_hosts=hosts)
+    app.add_middleware(RequestLog, metrics=metrics)  # outermost: every answer gets its id
     app.openapi = documented_openapi(app)  # type: ignore[method-assign]
 
     @app.post(
@@ -376,17 +527,20 @@ def create_app(
     async def decide(request: Request) -> Response:
         """Answer the questions about the image (contract.md §2-3)."""
         record: RequestRecord = request.state.record
+        large = is_large(request)
+        if large and not slots.take():
+            record.admission = "uploads busy"
+            metrics.rejections.inc()
+            chunked = not request.headers.get("content-length", "").isdigit()
+            return error(503, "the worker is busy", {**RETRY_AFTER, **close_if(chunked)})
         try:
-            body = await read_body(request)
-        except ClientDisconnect:
-            record.outcome = "client gone"
-            return Response(status_code=499)
-        if body is None:  # the rest of the body may still be on its way, so close after
-            return error(413, "request body exceeds 12 MiB", {"Connection": "close"})
-        try:
-            obj = await asyncio.to_thread(parse_body, body)
-        except BodyError as exc:
-            return error(400, str(exc))
+            obj = await read_and_parse(request, record, large)
+        finally:
+            if large:
+                slots.give_back()
+                asyncio.get_running_loop().run_in_executor(slots.large_pool, memory.trim)
+        if isinstance(obj, Response):
+            return obj
         if worker.state == "warm-up failed":
             return error(503, "the worker failed to warm up")
         if worker.state != "ready":
@@ -399,6 +553,27 @@ def create_app(
         metrics.admissions.inc()
         record.admission = "admitted"
         return await finish(request, ticket, record)
+
+    async def read_and_parse(request: Request, record: RequestRecord, large: bool) -> Any:
+        """The parsed body, or the error response: 499, 408, 503 (draining), 413 or 400."""
+        try:
+            body = await read_body(request, body_read_s, draining)
+        except ClientDisconnect:
+            record.outcome = "client gone"
+            return Response(status_code=499)
+        except BodyTimeout:
+            record.outcome = "body read deadline"
+            detail = f"request body not complete within {body_read_s:g} s"
+            return error(408, detail, {"Connection": "close"})
+        except Draining:
+            record.outcome = "shutting down"
+            return error(503, "the worker is shutting down", {"Connection": "close"})
+        if body is None:  # the rest of the body may still be on its way, so close after
+            return error(413, "request body exceeds 12 MiB", {"Connection": "close"})
+        try:
+            return await slots.parse(body, large)
+        except BodyError as exc:
+            return error(400, str(exc))
 
     async def finish(request: Request, ticket: Ticket, record: RequestRecord) -> Response:
         """Await the admitted work; if the client goes away, the work goes on or is dropped."""
@@ -427,35 +602,90 @@ def create_app(
     return app
 
 
+def close_if(condition: bool) -> dict[str, str]:
+    return {"Connection": "close"} if condition else {}
+
+
 class ListeningServer(uvicorn.Server):
-    """uvicorn's server, logging the native worker's startup line once it listens (§1.1)."""
+    """uvicorn's server, logging the native worker's startup line once it listens (§1.1),
+    cutting unfinished body reads when shutdown begins, and exiting 0 after a clean shutdown."""
+
+    def __init__(self, config: uvicorn.Config, draining: asyncio.Event | None = None) -> None:
+        super().__init__(config)
+        self.draining = draining
 
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
         if self.started:
             log.info("OmniJev worker listening on %s:%d", self.config.host, self.config.port)
 
+    async def shutdown(self, sockets: list | None = None) -> None:
+        if self.draining is not None:
+            self.draining.set()  # stalled uploads end now; admitted work still finishes
+        await super().shutdown(sockets)
 
-def serve(app: FastAPI, host: str, port: int) -> None:
-    """Serve until SIGTERM or SIGINT; admitted work finishes first."""
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                # uvicorn re-raises the SIGTERM it handled, so the process exits 143; the
+                # shutdown was clean by now, so it exits 0
+                self._captured_signals.clear()
+
+
+def worker_config(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> Any:
+    """uvicorn's settings for the worker: the guarded protocol, its header limit, the graceful
+    shutdown and no access log (RequestLog writes one JSON line per request instead)."""
+    settings = {
+        "http": GuardedH11Protocol,
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        "access_log": False,
+        "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S,
+        **options,
+    }
+    return uvicorn.Config(app, host=host, port=port, **settings)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so that a busy port fails at once."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise SystemExit(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def serve(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
+    """Serve until SIGTERM or SIGINT on `sock` (else bind host:port); admitted work finishes
+    first, and a clean shutdown exits 0."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        access_log=False,  # RequestLog writes one JSON line per request instead
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    ListeningServer(config).run()
+    memory.limit_arenas()
+    sock = sock or bind(host, port)
+    server = ListeningServer(worker_config(app, host, port), app.state.draining)
+    server.run(sockets=[sock])
 
 
 def cli_serve(args: Any) -> int:
-    """`omnijev serve --checkpoint DIR --engines DIR [--backend auto] [--host H --port P]`."""
+    """`omnijev serve --checkpoint DIR --engines DIR [--backend auto] [--host H --port P]`.
+
+    The port is bound before the model loads. Host allow-list: OMNIJEV_ALLOWED_HOSTS (or
+    `--allowed-host`, repeatable, where the command line has it); OMNIJEV_DOCS=0 (or
+    `--no-docs`) turns the documentation routes off.
+    """
     from runtime.executor import load_engine
 
     warm_ups = [read_warm_up(path) for path in args.warm_up or ()]
+    sock = bind(args.host, args.port)
     engine = load_engine(args.checkpoint, args.engines, args.backend)
-    serve(create_app(engine, warm_ups=warm_ups), args.host, args.port)
+    app = create_app(
+        engine,
+        warm_ups=warm_ups,
+        allowed_hosts=getattr(args, "allowed_host", None) or None,
+        docs=False if getattr(args, "no_docs", False) else None,
+    )
+    serve(app, args.host, args.port, sock)
     return 0
 
 

@@ -16,9 +16,12 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 
+from server import memory
 from server.admission import Scheduler
 
 DECISION_PATH = "/v1/systemone"  # contract.md §1.3
@@ -93,8 +96,15 @@ class Metrics:
         Gauge(
             "omnijev_preparing_requests", "requests in preparation now", registry=registry
         ).set_function(lambda: scheduler.preparing)
+        # process_resident_memory_bytes, CPU seconds and open file descriptors (Linux /proc)
+        ProcessCollector(registry=registry)
+        Gauge(
+            "omnijev_resident_memory_bytes", "resident set size of the worker", registry=registry
+        ).set_function(memory.rss_bytes)
+        registry.register(CudaMemory())
 
     def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
         return generate_latest(self.registry)
 
     def observe(self, record: RequestRecord) -> None:
@@ -113,3 +123,21 @@ class Metrics:
             seconds = getattr(record, f"{stage}_s")
             if seconds is not None:
                 self.latency.labels(stage).observe(seconds)
+
+
+class CudaMemory:
+    """torch's CUDA memory by kind (allocated, reserved); nothing where CUDA is not in use."""
+
+    def describe(self) -> list:
+        return []  # collected on each scrape, so that a worker without CUDA shows nothing
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        sizes = memory.cuda_bytes()
+        if not sizes:
+            return []
+        family = GaugeMetricFamily(
+            "omnijev_cuda_memory_bytes", "CUDA device memory held by torch", labels=["kind"]
+        )
+        for kind, size in sizes.items():
+            family.add_metric([kind], size)
+        return [family]

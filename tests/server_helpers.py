@@ -30,7 +30,7 @@ from runtime.executor import warm_up_request
 from runtime.processing import prepare
 from runtime.tokenizer import load_tokenizer
 from runtime.types import Prepared
-from server.app import Engine, create_app
+from server.app import Engine, ListeningServer, create_app, worker_config
 
 MODEL_ID = "tinnel123/OmniJev"  # contract.md §1.3
 FAIL = "make execute fail"  # instructions that make RealishEngine.execute raise
@@ -193,9 +193,12 @@ def listening_socket() -> socket.socket:
 
 
 def server_config(app: object) -> uvicorn.Config:
-    return uvicorn.Config(
-        app, lifespan="on", log_level="warning", access_log=False, timeout_graceful_shutdown=30
-    )
+    """The worker's own uvicorn settings (server.app.worker_config), quieter and quicker to stop."""
+    return worker_config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=30)
+
+
+def worker_server(app: Any) -> ListeningServer:
+    return ListeningServer(server_config(app), app.state.draining)
 
 
 class ThreadServer:
@@ -205,7 +208,7 @@ class ThreadServer:
         self.engine = engine
         self.sock = listening_socket()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(server_config(create_app(engine, **options)))
+        self.server = worker_server(create_app(engine, **options))
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
@@ -309,8 +312,8 @@ def main() -> None:
         unused = os.devnull
         omnijev(["serve", "--checkpoint", unused, "--engines", unused, "--port", str(args.port)])
         return
-    server = uvicorn.Server(server_config(create_app(engine)))
-    server.run(sockets=[socket.socket(fileno=args.fd)])  # after SIGTERM, uvicorn re-raises it
+    server = worker_server(create_app(engine))
+    server.run(sockets=[socket.socket(fileno=args.fd)])  # exits 0 after SIGTERM
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from PIL import Image
 from tests.server_helpers import SubprocessServer, data_url, decision, png_bytes, wait_ready
 
 DECIDE = "/v1/systemone"
+JSON_HEADERS = {"Content-Type": "application/json"}
 REFUSALS = {400, 413, 422}  # a mutated request may also happen to be valid: 200
 SEED = 20260
 FUZZ_REQUESTS = 400
@@ -179,7 +180,7 @@ def bad_bodies(rng: random.Random, count: int) -> Iterator[bytes]:
 
 
 def send(client: httpx.Client, body: bytes) -> httpx.Response:
-    response = client.post(DECIDE, content=body)
+    response = client.post(DECIDE, content=body, headers=JSON_HEADERS)
     assert response.status_code in REFUSALS | {200}, (response.status_code, body[:300])
     assert response.headers["x-request-id"]
     if response.status_code != 200:
