@@ -120,7 +120,7 @@ def compile_request(obj: dict) -> Request:
         raise ContractError("requested model is not loaded")
     if "state" not in obj:
         raise ContractError("request requires state")
-    mime, data = image_of_state(obj["state"])
+    mime, data, opened = image_of_state(obj["state"])
     questions = obj.get("questions")
     if not isinstance(questions, dict):
         raise ContractError("questions must be an object")
@@ -136,11 +136,12 @@ def compile_request(obj: dict) -> Request:
             raise error.within(f"question {question_id}") from None
     if sum(len(question.keys) for question in compiled) > MAX_ROWS:
         raise ContractError(f"request exceeds {MAX_ROWS} options in all")
-    return Request(image_mime=mime, image_bytes=data, questions=tuple(compiled))
+    return Request(image_mime=mime, image_bytes=data, questions=tuple(compiled), opened=opened)
 
 
-def image_of_state(state: object) -> tuple[str, bytes]:
-    """The `state` object's one image as (MIME type, bytes), its data URL checked (§2.2-2.3)."""
+def image_of_state(state: object) -> tuple[str, bytes, images.OpenedImage]:
+    """The `state` object's one image as (MIME type, bytes, Pillow's open header), its data URL
+    checked (§2.2-2.3)."""
     if not isinstance(state, dict):
         raise ContractError("state must be an object with images")
     if any(key != "images" for key in state):
@@ -150,7 +151,7 @@ def image_of_state(state: object) -> tuple[str, bytes]:
         raise ContractError("state.images must be an array")
     if len(urls) != 1:
         raise ContractError("state.images must contain exactly one image")
-    return images.parse_data_url(urls[0])
+    return images.open_data_url(urls[0])
 
 
 def compile_question(question_id: str, value: object) -> Question:

@@ -1,12 +1,20 @@
 """Image data URLs, decoding and preprocessing (contract.md §2.3, §4.7-4.8), bit-exact with the
 reference's `Image.open(...).convert("RGB")` and its Qwen2-VL image processor under MSO1's budget.
+
+A PNG's chunks are walked and bounded before Pillow reads them, and a request's image is opened
+by Pillow once: the contract's header check hands its open image to the decode (`OpenedImage`).
 """
 
 from __future__ import annotations
 
-import base64
+import binascii
 import io
 import math
+import re
+import struct
+import threading
+import warnings
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -43,6 +51,38 @@ MAX_PIXELS = 768 * 28 * 28  # 602,112: MSO1's budget, overriding the processor c
 NORM_MEAN = np.float32(127.5)
 NORM_STD = np.float32(127.5)
 
+# The PNG chunk walk (issue 14 §8): Pillow inflates every iCCP, zTXt and compressed iTXt chunk
+# (up to 1 MiB each) and counts only text toward its limits, so ~8,000 iCCP chunks in 8 MiB cost
+# ~18 s. Real PNGs carry a handful of ancillary chunks (iCCP, pHYs, sRGB, gAMA, cHRM, an XMP
+# iTXt, eXIf) and ICC profiles of a few KiB (rarely ~1 MiB); libpng writes 8 KiB IDAT chunks, so
+# an 8 MiB image needs ~1,000 chunks. The walk costs ~0.5 µs a chunk and inflating ~1 ms a MiB.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_PNG_CHUNKS = 16_384  # every chunk, IDAT included: an 8 MiB file of ≥ 512-byte chunks
+MAX_ANCILLARY_CHUNKS = 256  # chunks other than IHDR, PLTE, IDAT, IEND
+# iCCP + zTXt + compressed iTXt, inflated, in all: one profile of Pillow's largest (1 MiB,
+# MAX_TEXT_CHUNK) and as much text again; inflating it costs ~8 ms on the 2-core CI machine
+MAX_INFLATED_BYTES = 2 * 1024 * 1024
+COMPRESSED_CHUNKS = (b"iCCP", b"zTXt", b"iTXt")
+ANIMATION_CHUNKS = (b"acTL", b"fcTL", b"fdAT")  # APNG frames: refused at decode, not counted
+CRITICAL_CHUNKS = (b"IHDR", b"PLTE", b"IDAT", b"IEND")
+CHUNK_HEAD = struct.Struct(">I4s")  # length, type; the CRC follows the data
+CHUNK_TYPE = re.compile(rb"\w{4}")  # Pillow's `is_cid`: it stops at any other chunk type
+
+# torchvision's normalize, subtract then divide in float32, has one value per uint8 level: the
+# patches are gathered from this table (the same float32 arithmetic, so the same bytes).
+NORMALIZED = (np.arange(256, dtype=np.float32) - NORM_MEAN) / NORM_STD
+
+# The decoded RGB is a read-only view of Pillow's bytes; the resize only reads it, but PyTorch
+# warns about any read-only array it wraps.
+warnings.filterwarnings(
+    "ignore", "The given NumPy array is not writable", UserWarning, r"runtime\.images"
+)
+
+# standard base64's alphabet: a character's 6-bit value, for the canonical-padding check
+BASE64_VALUES = {
+    c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+}
+
 INVALID_IMAGE = "invalid image"
 SINGLE_FRAME = "image must be single-frame"
 # §2.3 calls the MPO message not known; this is the worker's own text (S1@fc27b75
@@ -55,6 +95,13 @@ def parse_data_url(value: object) -> tuple[str, bytes]:
 
     Only the header is read (Pillow's `Image.open` decodes no pixels).
     """
+    mime, data, opened = open_data_url(value)
+    opened.close()
+    return mime, data
+
+
+def open_data_url(value: object) -> tuple[str, bytes, OpenedImage]:
+    """`parse_data_url`, keeping Pillow's open image for the decode (`decode_rgb(..., opened)`)."""
     if not isinstance(value, str):
         raise ContractError("an image must be a data URL")
     prefix, comma, encoded = value.partition(",")
@@ -69,21 +116,54 @@ def parse_data_url(value: object) -> tuple[str, bytes]:
     data = decode_base64(encoded)
     if len(data) > MAX_IMAGE_BYTES:
         raise ContractError("image exceeds 8 MiB")
-    open_header(data, mime).close()
-    return mime, data
+    return mime, data, OpenedImage(open_header(data, mime))
 
 
 def decode_base64(encoded: str) -> bytes:
     """Strict standard base64 with canonical padding, as Rust's base64 `STANDARD` engine."""
     try:
-        data = base64.b64decode(encoded, validate=True)
-    except ValueError:  # binascii.Error, or a non-ASCII character
+        data = binascii.a2b_base64(encoded, strict_mode=True)
+    except (ValueError, TypeError):  # binascii.Error, or a non-ASCII character
         raise ContractError("invalid base64 image") from None
-    # Python still accepts some non-canonical text (nonzero trailing bits, as in "QR=="); the
-    # canonical encodings are exactly the texts that re-encode to themselves.
-    if base64.b64encode(data) != encoded.encode("ascii"):
+    # Strict mode still accepts padding after a whole quantum ("QUJD====") and nonzero trailing
+    # bits ("QR=="); a canonical text has whole quanta and zero bits there, which its last data
+    # character (before any "=") alone decides. This is b64encode(data) == encoded, uncopied.
+    if len(encoded) % 4 or not canonical_tail(encoded):
         raise ContractError("invalid base64 image")
     return data
+
+
+def canonical_tail(encoded: str) -> bool:
+    """Whether a strictly decoded text has at most two "=" and zero bits where they drop some
+    (4 before "==", 2 before "=")."""
+    if encoded.endswith("==="):
+        return False
+    if encoded.endswith("=="):
+        return BASE64_VALUES[encoded[-3]] & 0b1111 == 0
+    if encoded.endswith("="):
+        return BASE64_VALUES[encoded[-2]] & 0b11 == 0
+    return True
+
+
+class OpenedImage:
+    """Pillow's lazily opened image of one request, handed once from the header check to the
+    decode, so that a request's image is opened (and its PNG chunks walked) once."""
+
+    def __init__(self, image: Image.Image):
+        self.size: tuple[int, int] = image.size
+        self._image: Image.Image | None = image
+        self._lock = threading.Lock()
+
+    def take(self) -> Image.Image | None:
+        """The open image the first time; None after (the caller then opens the bytes again)."""
+        with self._lock:
+            image, self._image = self._image, None
+        return image
+
+    def close(self) -> None:
+        image = self.take()
+        if image is not None:
+            image.close()
 
 
 def open_header(data: bytes, mime: str) -> Image.Image:
@@ -92,6 +172,8 @@ def open_header(data: bytes, mime: str) -> Image.Image:
         raise ContractError("only inline PNG/JPEG images are supported")
     if not data.startswith(MAGIC[mime]):
         raise ContractError("image format does not match its MIME type")
+    if mime == "image/png":
+        walk_png(data)
     # Pillow raises many exception types for a bad header, and refuses a zero side. Its bomb
     # check raises above 2 * MAX_IMAGE_PIXELS and only warns below; check_size refuses both
     # before any pixel is decoded.
@@ -105,6 +187,55 @@ def open_header(data: bytes, mime: str) -> Image.Image:
         image.close()
         raise
     return image
+
+
+def walk_png(data: bytes) -> None:
+    """Bounds a PNG's chunks before Pillow reads them: how many, how many ancillary, and how
+    many bytes their compressed metadata inflates to. A malformed or truncated chunk ends the
+    walk: what to say about it is Pillow's (and so the worker's) `invalid image`."""
+    position, chunks, ancillary, inflated = len(PNG_SIGNATURE), 0, 0, 0
+    while position + CHUNK_HEAD.size <= len(data):
+        length, kind = CHUNK_HEAD.unpack_from(data, position)
+        start, end = position + CHUNK_HEAD.size, position + CHUNK_HEAD.size + length
+        if end + 4 > len(data) or kind == b"IEND" or not CHUNK_TYPE.fullmatch(kind):
+            return
+        chunks += 1
+        if chunks > MAX_PNG_CHUNKS:
+            raise ContractError(f"image has more than {MAX_PNG_CHUNKS} PNG chunks")
+        if kind not in CRITICAL_CHUNKS and kind not in ANIMATION_CHUNKS:
+            ancillary += 1
+            if ancillary > MAX_ANCILLARY_CHUNKS:
+                raise ContractError(
+                    f"image has more than {MAX_ANCILLARY_CHUNKS} ancillary PNG chunks"
+                )
+        if kind in COMPRESSED_CHUNKS:
+            inflated += inflated_size(kind, data[start:end], MAX_INFLATED_BYTES - inflated)
+            if inflated > MAX_INFLATED_BYTES:
+                raise ContractError(f"image metadata inflates past {MAX_INFLATED_BYTES} bytes")
+        position = end + 4  # the CRC, which Pillow checks
+
+
+def inflated_size(kind: bytes, body: bytes, budget: int) -> int:
+    """Bytes the chunk's compressed field inflates to, counted up to `budget` + 1 (0 for an
+    uncompressed iTXt or a malformed chunk, which Pillow judges)."""
+    keyword_end = body.find(b"\0")
+    if keyword_end < 0:
+        return 0
+    if kind == b"iTXt":
+        # keyword \0 flag method language \0 translated keyword \0 text
+        if body[keyword_end + 1 : keyword_end + 2] != b"\x01":
+            return 0
+        fields = body[keyword_end + 3 :].split(b"\0", 2)
+        if len(fields) < 3:
+            return 0
+        stream = fields[2]
+    else:  # iCCP, zTXt: keyword \0 method stream
+        stream = body[keyword_end + 2 :]
+    inflater = zlib.decompressobj()
+    try:
+        return len(inflater.decompress(stream, max(budget, 0) + 1))
+    except zlib.error:
+        return 0
 
 
 def check_size(width: int, height: int) -> None:
@@ -124,15 +255,26 @@ def check_size(width: int, height: int) -> None:
         raise ContractError("image aspect ratio must be at most 200")
 
 
-def decode_rgb(data: bytes, mime: str) -> np.ndarray:
-    """Pillow's `Image.open(...).convert("RGB")` as uint8 [H, W, 3], refusing animations."""
-    with open_header(data, mime) as image:
+def decode_rgb(data: bytes, mime: str, opened: OpenedImage | None = None) -> np.ndarray:
+    """Pillow's `Image.open(...).convert("RGB")` as uint8 [H, W, 3], refusing animations.
+
+    `opened` is the contract's open image of these bytes, used if not taken yet. The array is a
+    read-only view of Pillow's pixel bytes: `convert("RGB")` of an RGB image would only copy.
+    """
+    image = opened.take() if opened is not None else None
+    if image is None:
+        image = open_header(data, mime)
+    with image:
         check_single_frame(image)
         width, height = image.size
         if width * height * PILLOW_PEAK_BYTES_PER_PIXEL > MAX_DECODE_BYTES:
             raise ContractError(INVALID_IMAGE)
         try:
-            return np.array(image.convert("RGB"))
+            image.load()
+            if image.mode == "RGB":
+                return np.asarray(image)
+            with image.convert("RGB") as rgb:
+                return np.asarray(rgb)
         except Exception:  # truncated or corrupt pixel data
             raise ContractError(INVALID_IMAGE) from None
 
@@ -173,7 +315,8 @@ def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     # Imported here so that the contract's data-URL checks do not pay for importing torch.
     import torch
 
-    source = torch.from_numpy(np.require(rgb, np.uint8, ["C", "W"])).permute(2, 0, 1)[None]
+    # Read-only input (the decode's view of Pillow's bytes) is only read here.
+    source = torch.from_numpy(np.require(rgb, np.uint8, ["C"])).permute(2, 0, 1)[None]
     # uint8 input keeps PyTorch on its integer kernel (int16 fixed-point weights, rounding after
     # each pass), which the reference uses; a float resize rounds differently.
     resized = torch.nn.functional.interpolate(
@@ -182,32 +325,61 @@ def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     return resized[0].permute(1, 2, 0).contiguous().numpy()
 
 
+def check_grid(height: int, width: int, channels: int) -> tuple[int, int]:
+    """The patch grid (H/16, W/16) of a resized image, whose sides are multiples of 32."""
+    if channels != 3 or height % FACTOR or width % FACTOR:
+        raise ValueError("expected RGB with sides that are multiples of 32")
+    return height // PATCH, width // PATCH
+
+
 def normalize_and_pack(rgb: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Normalized float32 patches [patches, 1536] of a resized uint8 [H, W, 3], and the grid.
 
     Block-major order (§4.8): 32×32 blocks row-major, their 2×2 patches row-major, each patch
-    laid out channel, temporal copy, 16 rows, 16 columns.
+    laid out channel, temporal copy, 16 rows, 16 columns. The uint8 pixels are put in that order
+    first, then looked up in `NORMALIZED` once (the float32 values torchvision's normalize gives).
     """
-    height, width, channels = rgb.shape
-    if channels != 3 or height % FACTOR or width % FACTOR:
-        raise ValueError("expected RGB with sides that are multiples of 32")
-    grid_h, grid_w = height // PATCH, width // PATCH
-    # torchvision's normalize: subtract, then divide, in float32.
-    values = (rgb.astype(np.float32) - NORM_MEAN) / NORM_STD
-    blocks = values.reshape(grid_h // MERGE, MERGE, PATCH, grid_w // MERGE, MERGE, PATCH, 3)
+    grid_h, grid_w = check_grid(*rgb.shape)
+    blocks = rgb.reshape(grid_h // MERGE, MERGE, PATCH, grid_w // MERGE, MERGE, PATCH, 3)
     # -> block row, block column, patch row, patch column, channel, pixel row, pixel column
-    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)[:, :, :, :, :, None]
-    shape = (grid_h // MERGE, grid_w // MERGE, MERGE, MERGE, 3, TEMPORAL, PATCH, PATCH)
-    patches = np.broadcast_to(blocks, shape).reshape(grid_h * grid_w, 3 * TEMPORAL * PATCH**2)
-    return patches, (1, grid_h, grid_w)
+    ordered = np.ascontiguousarray(blocks.transpose(0, 3, 1, 4, 6, 2, 5))
+    patches = np.empty((grid_h * grid_w, 3, TEMPORAL, PATCH * PATCH), dtype=np.float32)
+    first = patches[:, :, 0]
+    np.take(NORMALIZED, ordered.reshape(grid_h * grid_w, 3, PATCH * PATCH), out=first)
+    patches[:, :, 1] = first
+    return patches.reshape(grid_h * grid_w, 3 * TEMPORAL * PATCH**2), (1, grid_h, grid_w)
 
 
-def prepare_image(data: bytes, mime: str) -> PreparedImage:
+def device_pixel_values(resized, table=None):
+    """`normalize_and_pack`'s patches from a uint8 [H, W, 3] torch tensor on any device, as a
+    float32 [patches, 1536] tensor there, byte for byte the host's (the same table lookup).
+
+    The executor can upload `PreparedImage.resized` (1.7 MB for the bench still) instead of the
+    float32 patches (14 MB); `table` is `NORMALIZED` already on that device, if kept.
+    """
+    import torch
+
+    grid_h, grid_w = check_grid(*resized.shape)
+    if table is None:
+        table = torch.from_numpy(NORMALIZED).to(resized.device)
+    blocks = resized.reshape(grid_h // MERGE, MERGE, PATCH, grid_w // MERGE, MERGE, PATCH, 3)
+    ordered = blocks.permute(0, 3, 1, 4, 6, 2, 5).reshape(grid_h * grid_w, 3, 1, PATCH * PATCH)
+    values = table[ordered.long()]
+    shape = (grid_h * grid_w, 3, TEMPORAL, PATCH * PATCH)
+    return values.expand(shape).reshape(grid_h * grid_w, 3 * TEMPORAL * PATCH**2)
+
+
+def prepare_image(data: bytes, mime: str, opened: OpenedImage | None = None) -> PreparedImage:
     """Decodes, resizes, normalizes and packs an image for the vision tower."""
-    rgb = decode_rgb(data, mime)
+    rgb = decode_rgb(data, mime, opened)
     height, width = rgb.shape[:2]
     resized = resize_rgb(rgb, *smart_resize(height, width))
     pixel_values, grid_thw = normalize_and_pack(resized)
     return PreparedImage(
-        width=width, height=height, rgb=rgb, pixel_values=pixel_values, grid_thw=grid_thw
+        width=width,
+        height=height,
+        rgb=rgb,
+        pixel_values=pixel_values,
+        grid_thw=grid_thw,
+        resized=resized,
     )

@@ -202,7 +202,7 @@ def prepare(request: Request, tokenizer: Tokenizer, image: PreparedImage | None 
     if image is None:
         from runtime.images import prepare_image
 
-        image = prepare_image(request.image_bytes, request.image_mime)
+        image = prepare_image(request.image_bytes, request.image_mime, request.opened)
     questions = request.questions
     prompts = [render_prompt(q) for q in questions]
     ids = encode_prompts(prompts, tokenizer, image.image_tokens)

@@ -32,6 +32,8 @@ class Request:
     image_mime: str  # "image/png" or "image/jpeg"
     image_bytes: bytes  # decoded base64, magic bytes already checked against the MIME type
     questions: tuple[Question, ...]
+    # runtime.images.OpenedImage: Pillow's header, opened by the contract, decoded once from it
+    opened: object | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class PreparedImage:
     rgb: np.ndarray  # uint8 [H, W, 3], Pillow's convert("RGB")
     pixel_values: np.ndarray  # float32 [patches, 1536]
     grid_thw: tuple[int, int, int]  # (1, H/16, W/16)
+    # uint8 [H', W', 3] after the resize: runtime.images.device_pixel_values makes pixel_values
+    # from it on the device (an eighth of the bytes to upload)
+    resized: np.ndarray | None = None
 
     @property
     def image_tokens(self) -> int:

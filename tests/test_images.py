@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -18,6 +19,7 @@ from PIL import Image
 from runtime.errors import ContractError
 from runtime.images import (
     check_size,
+    decode_base64,
     decode_rgb,
     normalize_and_pack,
     parse_data_url,
@@ -324,3 +326,141 @@ def test_decode_rechecks_the_header():
     assert refused(decode_rgb, PNG_64, "image/jpeg") == "image format does not match its MIME type"
     assert refused(decode_rgb, PNG_64, "image/gif") == "only inline PNG/JPEG images are supported"
     assert refused(decode_rgb, png(4097, 64), "image/png") == "invalid image"
+
+
+# -- the PNG chunk walk (issue 14 §8) and the image opened once ----------------------------------
+
+REFUSAL_SECONDS = 0.05  # issue 14: each bomb refused in under 50 ms
+
+
+def bomb(kind: bytes, body: bytes, count: int, after_idat: bool = False) -> bytes:
+    """A valid 64×48 PNG with `count` copies of one chunk before (or after) its image data."""
+    data = png(64, 48, (1, 2, 3))
+    iend = data.rindex(b"IEND") - 4
+    cut = iend if after_idat else data.index(b"IDAT") - 4
+    return data[:cut] + png_chunk(kind, body) * count + data[cut:]
+
+
+def zeros_inflating_to(size: int) -> bytes:
+    return zlib.compress(bytes(size), 9)
+
+
+def itxt(text: bytes) -> bytes:
+    return b"XML:com.adobe.xmp\0\x01\x00\0\0" + text  # keyword, compressed, method, lang, key
+
+
+BOMBS = {
+    "iCCP": (b"iCCP", b"icc\0\0" + zeros_inflating_to(1 << 20), 8, False),
+    # issue 14's: ~8 MiB of 1 MiB profiles, 17.6 s an open before the walk
+    "iCCP 8 MiB": (b"iCCP", b"icc\0\0" + zeros_inflating_to(1 << 20), 7_900, False),
+    "tEXt 8 MiB": (b"tEXt", b"k\0" + bytes(1000), 8_000, False),
+    "zTXt": (b"zTXt", b"Comment\0\0" + zeros_inflating_to(1 << 20), 8, False),
+    "iTXt": (b"iTXt", itxt(zeros_inflating_to(1 << 20)), 8, False),
+    "zTXt after IDAT": (b"zTXt", b"Comment\0\0" + zeros_inflating_to(1 << 20), 8, True),
+    "many small chunks": (b"tEXt", b"k\0v", 300, False),
+    "many unknown chunks": (b"prVt", b"", 300, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_png_chunk_bombs_are_refused_fast(name):
+    kind, body, count, after = BOMBS[name]
+    data = bomb(kind, body, count, after)
+    assert len(data) <= 8 * 1024 * 1024
+    url = data_url(data)
+    seconds = []
+    for _ in range(3):  # the best of three: a busy 2-core machine stalls one call at times
+        started = time.perf_counter()
+        message = refused(parse_data_url, url)
+        seconds.append(time.perf_counter() - started)
+    assert min(seconds) < REFUSAL_SECONDS
+    assert message.startswith("image ")
+    assert refused(decode_rgb, data, "image/png") == message  # the decode walks the chunks too
+
+
+def test_png_chunk_limits_name_the_limit():
+    assert refused(parse_data_url, data_url(bomb(b"tEXt", b"k\0v", 257))) == (
+        "image has more than 256 ancillary PNG chunks"
+    )
+    iccp = b"icc\0\0" + zeros_inflating_to(1 << 20)
+    assert refused(parse_data_url, data_url(bomb(b"iCCP", iccp, 3))) == (
+        "image metadata inflates past 2097152 bytes"
+    )
+    many = bomb(b"IDAT", b"", 16_385)  # empty IDAT chunks: valid to Pillow, but not to the walk
+    assert refused(parse_data_url, data_url(many)) == "image has more than 16384 PNG chunks"
+
+
+def test_png_chunks_within_the_limits_decode_as_before():
+    plain = png(64, 48, (1, 2, 3))
+    icc = b"icc\0\0" + zeros_inflating_to(1 << 20)  # a 1 MiB profile: Pillow's own limit
+    text = bomb(b"tEXt", b"k\0v", 255)
+    for data in (bomb(b"iCCP", icc, 1), text, bomb(b"iTXt", itxt(zlib.compress(b"x" * 9)), 3)):
+        assert parse_data_url(data_url(data)) == ("image/png", data)
+        np.testing.assert_array_equal(decode_rgb(data, "image/png"), decode_rgb(plain, "image/png"))
+
+
+def test_the_request_image_is_opened_once(monkeypatch):
+    import runtime.images as images
+
+    expected = sha256(decode_rgb(PNG_64, "image/png"))
+    opens = []
+    real_open = Image.open
+    monkeypatch.setattr(images.Image, "open", lambda *a, **k: opens.append(1) or real_open(*a, **k))
+    mime, data, opened = images.open_data_url(PNG_URL)
+    prepared = prepare_image(data, mime, opened)
+    assert len(opens) == 1
+    assert sha256(prepared.rgb) == expected
+    assert opened.take() is None  # handed over once; a second decode opens the bytes again
+    assert sha256(prepare_image(data, mime, opened).pixel_values) == sha256(prepared.pixel_values)
+    assert len(opens) == 2
+
+
+def test_decode_base64_matches_the_reencoding_rule():
+    """`b64decode(validate=True)` plus `b64encode(data) == text`, the rule it replaces."""
+
+    def by_reencoding(text: str) -> bytes | None:
+        try:
+            data = base64.b64decode(text, validate=True)
+        except ValueError:
+            return None
+        return data if base64.b64encode(data) == text.encode("ascii") else None
+
+    def ours(text: str) -> bytes | None:
+        try:
+            return decode_base64(text)
+        except ContractError:
+            return None
+
+    rng = np.random.default_rng(0)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    texts = ["", "=", "==", "A===", "AA==", "QR==", "QQ=", "QUJD====", "QQ==QQ==", " AAAA"]
+    for _ in range(20_000):
+        n = int(rng.integers(0, 12))
+        chars = rng.choice(list(alphabet + "=-_ \né"), size=n, p=None)
+        texts.append("".join(chars))
+        encoded = base64.b64encode(rng.bytes(int(rng.integers(0, 7)))).decode()
+        texts.append(encoded)
+        texts.append(encoded[:-1] + "B" if encoded else "B")
+    for text in texts:
+        assert ours(text) == by_reencoding(text), repr(text)
+
+
+@pytest.mark.parametrize("size", [(64, 48), (333, 217), (1600, 900)])
+def test_device_pixel_values_equal_the_host_patches(size):
+    from runtime.images import device_pixel_values
+
+    rgb = np.random.default_rng(1).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    resized = resize_rgb(rgb, *smart_resize(*rgb.shape[:2]))
+    host, _ = normalize_and_pack(resized)
+    device = device_pixel_values(torch.from_numpy(resized))
+    assert device.dtype == torch.float32 and tuple(device.shape) == host.shape
+    assert device.contiguous().numpy().tobytes() == host.tobytes()
+
+
+def test_pack_equals_torchvision_arithmetic():
+    rgb = np.random.default_rng(2).integers(0, 256, (96, 64, 3), dtype=np.uint8)
+    values, _ = normalize_and_pack(rgb)
+    normalized = (rgb.astype(np.float32) - np.float32(127.5)) / np.float32(127.5)
+    blocks = normalized.reshape(3, 2, 16, 2, 2, 16, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    expected = np.broadcast_to(blocks[:, :, :, :, :, None], (3, 2, 2, 2, 3, 2, 16, 16))
+    assert values.tobytes() == np.ascontiguousarray(expected).reshape(24, 1536).tobytes()
