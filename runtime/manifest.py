@@ -1,6 +1,8 @@
 """The engine directory's manifest (`engines.json`): its names, the TensorRT library it was built
 with, and the check of every recorded file's SHA-256 (engines.md §4); what a backend reads
 before it loads anything, written by `build_engines.engines` and `build_engines.trt_build`.
+`verify_engine_dir` is the start-up check of a whole directory (issue 14), as
+`runtime.export_format.load_export` is of a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ TIMING_CACHE = "timing_cache.bin"
 SHA_SUFFIX = ".sha256"
 PLUGIN_ENV = "OMNIJEV_PLUGIN_LIBRARY"  # RuntimeConfig.plugin_library
 PLUGIN_DEFAULT = Path(__file__).resolve().parents[1] / "plugins" / "build" / "libomnijev_plugins.so"
+EXPORT_MANIFEST = "omnijev_export.json"  # the checkpoint's manifest, recorded by its SHA-256
 DIM = re.compile(r"^(?:(\d+)\*)?([A-Za-z_]\w*)$")  # "T" or "4*merged", as the export names axes
 
 
@@ -124,3 +127,115 @@ def verify_plans(engine_dir: Path, plans_only: bool = False) -> list[str]:
         for relative, record in entry["onnx"].items():
             problems.append(compare_record(root, relative, record))
     return sorted({p for p in problems if p})
+
+
+class EngineDirError(RuntimeError):
+    """An engine directory that must not be loaded: unfinished, changed, or escaping itself."""
+
+
+def verify_engine_dir(engines_dir: str | Path, checkpoint_dir: str | Path) -> None:
+    """Refuse an engine directory unless `engines.json` records every ONNX file (with its
+    external data), plan and plugin library it holds or names, each with its SHA-256, every path
+    stays inside the directory, and it was built from this checkpoint. Raises EngineDirError
+    naming the file."""
+    root = Path(engines_dir)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise EngineDirError(f"{path}: missing; not a finished engine build")
+    try:
+        manifest = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise EngineDirError(f"{path}: not JSON ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise EngineDirError(f"{path}: format is not {FORMAT}")
+    check_checkpoint(manifest.get("checkpoint"), Path(checkpoint_dir), path)
+    recorded = onnx_records(manifest)
+    plans = manifest.get("plans") or {}
+    for entry in (plans.get("graphs") or {}).values():
+        recorded[entry["plan"]] = entry
+        recorded.update(entry.get("onnx") or {})
+    for relative, record in recorded.items():
+        check_recorded_file(root, relative, record)
+    check_onnx_files(root, recorded)
+    if plans.get("plugin"):
+        check_plugin(plans["plugin"])
+
+
+def onnx_records(manifest: dict) -> dict[str, dict]:
+    records: dict[str, dict] = {}
+    for variant in (manifest.get("onnx") or {}).values():
+        records.update(variant.get("files") or {})
+    return records
+
+
+def check_checkpoint(record: object, checkpoint: Path, manifest_path: Path) -> None:
+    """The checkpoint's manifest hashes to what the build recorded."""
+    recorded = record.get("manifest_sha256") if isinstance(record, dict) else None
+    export_manifest = checkpoint / EXPORT_MANIFEST
+    if not export_manifest.is_file():
+        raise EngineDirError(f"{export_manifest}: missing")
+    actual = sha256_file(export_manifest)
+    if recorded != actual:
+        built_from = record.get("path") if isinstance(record, dict) else None
+        raise EngineDirError(
+            f"{manifest_path}: built from checkpoint {built_from} (manifest sha256 "
+            f"{str(recorded)[:16]}…), not {checkpoint} ({actual[:16]}…)"
+        )
+
+
+def confined(root: Path, relative: object, named_in: str) -> Path:
+    """`root / relative` for a relative path that stays inside `root`, symbolic links included."""
+    if not isinstance(relative, str) or not relative or "\0" in relative:
+        raise EngineDirError(f"{named_in}: path {relative!r} is not a file name")
+    parts = Path(relative).parts
+    if Path(relative).is_absolute() or ".." in parts or "\\" in relative:
+        raise EngineDirError(f"{named_in}: path {relative} leaves the engine directory")
+    path = root / relative
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise EngineDirError(f"{named_in}: path {relative} resolves outside the engine directory")
+    return path
+
+
+def check_recorded_file(root: Path, relative: str, record: object) -> None:
+    path = confined(root, relative, str(root / MANIFEST))
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        raise EngineDirError(f"{path}: no sha256 recorded")
+    if not path.is_file():
+        raise EngineDirError(f"{path}: missing")
+    actual = sha256_file(path)
+    if actual != record["sha256"]:
+        raise EngineDirError(f"{path}: sha256 {actual[:16]}…, recorded {record['sha256'][:16]}…")
+
+
+def check_onnx_files(root: Path, recorded: dict[str, dict]) -> None:
+    """Every ONNX file under the directory is recorded, and so is every external-data file it
+    names, each inside the directory (the files are hashed already, so parsing them is safe)."""
+    for onnx_path in sorted(root.rglob("*.onnx")):
+        relative = onnx_path.relative_to(root).as_posix()
+        if relative not in recorded:
+            raise EngineDirError(f"{onnx_path}: not recorded in {MANIFEST}")
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        for tensor in model.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            for entry in tensor.external_data:
+                if entry.key != "location":
+                    continue
+                data = confined(onnx_path.parent, entry.value, str(onnx_path))
+                confined(root, data.relative_to(root).as_posix(), str(onnx_path))
+                if data.relative_to(root).as_posix() not in recorded:
+                    raise EngineDirError(f"{data}: external data not recorded in {MANIFEST}")
+
+
+def check_plugin(record: object) -> None:
+    """The plugin library the plans were built with, unchanged since (it lies outside the
+    directory by design: plugins/build, or $OMNIJEV_PLUGIN_LIBRARY)."""
+    library = record.get("library") if isinstance(record, dict) else None
+    if not isinstance(library, str) or not Path(library).is_absolute():
+        raise EngineDirError(f"plugin library {library!r}: not an absolute path")
+    path = Path(library)
+    if not path.is_file():
+        raise EngineDirError(f"{path}: plugin library missing")
+    actual = sha256_file(path)
+    if actual != record.get("sha256"):
+        raise EngineDirError(f"{path}: sha256 {actual[:16]}…, recorded {record.get('sha256')}")
