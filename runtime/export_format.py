@@ -167,6 +167,8 @@ def check_outputs(root: Path, manifest: dict, verify: bool) -> dict[str, Path]:
             raise ExportError(f"export output {name} has no SHA-256")
         if not path.is_file():
             raise ExportError(f"export output {name} is missing")
+        if not path.resolve().is_relative_to(root.resolve()):  # a symbolic link out of it
+            raise ExportError(f"export output {name} resolves outside the export directory")
         if verify and sha256_file(path) != expected.lower():
             raise ExportError(f"export output {name} does not match its SHA-256")
         files[name] = path
@@ -181,6 +183,7 @@ def check_shards(root: Path, files: dict[str, Path]) -> tuple[Path, ...]:
         raise ExportError(f"export index {INDEX} has no weight_map")
     shards = []
     for shard in weight_map.values():
+        # a listed output has a plain name (check_file_name), so this also confines the shard
         if not isinstance(shard, str) or shard not in files:
             raise ExportError(f"export shard {_shown(shard)} is not listed in the manifest")
         if files[shard] not in shards:
