@@ -69,7 +69,8 @@ CHUNK_HEAD = struct.Struct(">I4s")  # length, type; the CRC follows the data
 CHUNK_TYPE = re.compile(rb"\w{4}")  # Pillow's `is_cid`: it stops at any other chunk type
 
 # torchvision's normalize, subtract then divide in float32, has one value per uint8 level: the
-# patches are gathered from this table (the same float32 arithmetic, so the same bytes).
+# device-side patches are gathered from this table (the same float32 arithmetic, so the same
+# bytes on any device, whatever its division rounds like).
 NORMALIZED = (np.arange(256, dtype=np.float32) - NORM_MEAN) / NORM_STD
 
 # The decoded RGB is a read-only view of Pillow's bytes; the resize only reads it, but PyTorch
@@ -336,18 +337,18 @@ def normalize_and_pack(rgb: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int
     """Normalized float32 patches [patches, 1536] of a resized uint8 [H, W, 3], and the grid.
 
     Block-major order (§4.8): 32×32 blocks row-major, their 2×2 patches row-major, each patch
-    laid out channel, temporal copy, 16 rows, 16 columns. The uint8 pixels are put in that order
-    first, then looked up in `NORMALIZED` once (the float32 values torchvision's normalize gives).
+    laid out channel, temporal copy, 16 rows, 16 columns.
     """
     grid_h, grid_w = check_grid(*rgb.shape)
-    blocks = rgb.reshape(grid_h // MERGE, MERGE, PATCH, grid_w // MERGE, MERGE, PATCH, 3)
+    # torchvision's normalize: subtract, then divide, in float32. (Measured: this beats putting
+    # the uint8 pixels in order first and gathering from NORMALIZED, 2.9 against 4.5 ms.)
+    values = (rgb.astype(np.float32) - NORM_MEAN) / NORM_STD
+    blocks = values.reshape(grid_h // MERGE, MERGE, PATCH, grid_w // MERGE, MERGE, PATCH, 3)
     # -> block row, block column, patch row, patch column, channel, pixel row, pixel column
-    ordered = np.ascontiguousarray(blocks.transpose(0, 3, 1, 4, 6, 2, 5))
-    patches = np.empty((grid_h * grid_w, 3, TEMPORAL, PATCH * PATCH), dtype=np.float32)
-    first = patches[:, :, 0]
-    np.take(NORMALIZED, ordered.reshape(grid_h * grid_w, 3, PATCH * PATCH), out=first)
-    patches[:, :, 1] = first
-    return patches.reshape(grid_h * grid_w, 3 * TEMPORAL * PATCH**2), (1, grid_h, grid_w)
+    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)[:, :, :, :, :, None]
+    shape = (grid_h // MERGE, grid_w // MERGE, MERGE, MERGE, 3, TEMPORAL, PATCH, PATCH)
+    patches = np.broadcast_to(blocks, shape).reshape(grid_h * grid_w, 3 * TEMPORAL * PATCH**2)
+    return patches, (1, grid_h, grid_w)
 
 
 def device_pixel_values(resized, table=None):

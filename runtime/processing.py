@@ -6,13 +6,16 @@ Follows the reference's `MSO1._prompt`, `_encode_many`, `rows_from_ids`/`_marks`
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from runtime.constants import CLOSE_ID, IMAGE_PAD_ID, OPEN_ID
+from runtime.constants import CLOSE_ID, IMAGE_PAD_ID, OPEN_ID, VISION_END_ID
 from runtime.errors import ContractError
 from runtime.types import Prepared, PreparedImage, Question, QuestionLayout, Request, Row
 
@@ -24,6 +27,21 @@ PROMPT_TAIL = "<|im_end|>\n<|im_start|>assistant\n<think>\n"
 MAX_SEQUENCE = 8192  # tokens of one question's single-question sequence (processing.rs)
 MAX_PROCESSED = 65536  # prefix + all rows, the reference's input_tokens (processing.rs)
 MAX_TARGETS = 16384  # option-text log-probs read for Choice and Noul questions (processing.rs)
+
+# The prompt's fixed text between the request's own texts, split at its special tokens: each
+# piece is tokenized once per tokenizer (`Template`), the instructions and option texts per
+# request. The texts of §2.6's reserved markers never reach a split prompt (`splittable`).
+IMAGE_HEAD = PROMPT_HEAD.split(IMAGE_PAD)[0]  # "<|im_start|>user\n<|vision_start|>"
+VISION_END = "<|vision_end|>"
+OPEN, CLOSE = "<|opt|>", "<|/opt|>"
+SPLIT_AT = (VISION_END, "<|im_end|>", OPEN, CLOSE)  # the specials a request's text sits between
+RESERVED = (OPEN, CLOSE, IMAGE_PAD, "<|video_pad|>", "<|vision_start|>", VISION_END)
+PROBE = "Is\u00a0it ok?  <|im_end|>x\n\n"  # a check text: spaces, a special token, newlines
+TEMPLATES = 4  # tokenizers whose templates are kept (one a checkpoint, tests load a few)
+# Images decoded beside the tokenizer while a request is prepared: one a preparation thread
+# (the server prepares two requests at once), the rest waits. Pillow, PyTorch's resize and
+# NumPy release the GIL for their work, so the decode runs while this thread tokenizes.
+IMAGE_THREADS = 2
 
 PLACEHOLDER_ERROR = "image placeholders must be one contiguous span matching the grid"
 MARKER_ERROR = "every option needs one opening and one closing marker, in order"
@@ -50,6 +68,96 @@ def encode_prompts(
     encodings = tokenizer.encode_batch(parts, add_special_tokens=False)
     run = [IMAGE_PAD_ID] * image_tokens
     return [encodings[i].ids + run + encodings[i + 1].ids for i in range(0, len(parts), 2)]
+
+
+@dataclass(frozen=True)
+class Template:
+    """The ids of the prompt's fixed pieces (contract.md §4.2) under one tokenizer."""
+
+    head: tuple[int, ...]  # before the image run
+    tail: tuple[int, ...]  # PROMPT_TAIL: after the instructions, before the first option
+
+
+_templates: dict[int, tuple[Tokenizer, Template | None]] = {}
+_templates_lock = threading.Lock()
+
+
+def template(tokenizer: Tokenizer) -> Template | None:
+    """The tokenizer's template ids, made once; None where pieces may not encode alone."""
+    with _templates_lock:
+        entry = _templates.get(id(tokenizer))
+        if entry is not None and entry[0] is tokenizer:
+            return entry[1]
+    made = make_template(tokenizer)
+    with _templates_lock:
+        while len(_templates) >= TEMPLATES:
+            _templates.pop(next(iter(_templates)))
+        _templates[id(tokenizer)] = (tokenizer, made)
+    return made
+
+
+def make_template(tokenizer: Tokenizer) -> Template | None:
+    """Pieces encode alone exactly when the tokenizer splits its input at added tokens first
+    and no added token can match across a split: its added tokens strip nothing, and none ends
+    in the start of a special the prompt is split at. A probe prompt checks the result."""
+    added = list(tokenizer.get_added_tokens_decoder().values())
+    if any(token.lstrip or token.rstrip for token in added):
+        return None
+    for token in added:
+        for special in SPLIT_AT:
+            longer = len(token.content) > len(special) and token.content.startswith(special)
+            if longer or any(
+                token.content.endswith(special[:k]) and len(token.content) > k
+                for k in range(1, len(special) + 1)
+            ):
+                return None
+    head = tokenizer.encode(IMAGE_HEAD, add_special_tokens=False).ids
+    tail = tokenizer.encode(PROMPT_TAIL, add_special_tokens=False).ids
+    made = Template(head=tuple(head), tail=tuple(tail))
+    probe = Question("p", "choice", PROBE, ("a", "b"), (PROBE, ""))
+    whole = encode_prompts([render_prompt(probe)], tokenizer, 3)
+    return made if split_ids([probe], tokenizer, made, 3) == whole else None
+
+
+def splittable(questions: Sequence[Question]) -> bool:
+    """No instructions or option text holds a reserved marker (the contract refuses them)."""
+    texts = (text for q in questions for text in (q.instructions, *q.option_texts))
+    return not any(marker in text for text in texts for marker in RESERVED)
+
+
+def split_ids(
+    questions: Sequence[Question], tokenizer: Tokenizer, made: Template, image_tokens: int
+) -> list[list[int]]:
+    """Each question's expanded ids from the template's ids and one batch encode of the
+    request's texts: the same ids as encoding each rendered prompt (`make_template`)."""
+    texts = []
+    for question in questions:
+        texts.append(question.instructions.rstrip())
+        texts.extend(question.option_texts)
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    start = [*made.head, *([IMAGE_PAD_ID] * image_tokens), VISION_END_ID]
+    out, at = [], 0
+    for question in questions:
+        ids = start + encodings[at].ids
+        ids += made.tail
+        for encoding in encodings[at + 1 : at + 1 + len(question.option_texts)]:
+            ids.append(OPEN_ID)
+            ids += encoding.ids
+            ids.append(CLOSE_ID)
+        at += 1 + len(question.option_texts)
+        out.append(ids)
+    return out
+
+
+def encode_questions(
+    questions: Sequence[Question], tokenizer: Tokenizer, image_tokens: int
+) -> list[list[int]]:
+    """Expanded ids of every question's prompt: the template's ids once per tokenizer, the
+    request's texts in one batch; the whole prompts where the split may not hold."""
+    made = template(tokenizer)
+    if made is not None and splittable(questions):
+        return split_ids(questions, tokenizer, made, image_tokens)
+    return encode_prompts([render_prompt(q) for q in questions], tokenizer, image_tokens)
 
 
 def encode_question(prompt: str, tokenizer: Tokenizer, image_tokens: int) -> list[int]:
@@ -197,43 +305,106 @@ def check_request_totals(processed: int, targets: int) -> None:
 
 
 def prepare(request: Request, tokenizer: Tokenizer, image: PreparedImage | None = None) -> Prepared:
-    """Decodes the image (unless given), tokenizes every question and lays out its rows."""
-    started = time.perf_counter()
-    if image is None:
-        from runtime.images import prepare_image
+    """Decodes the image (unless given), tokenizes every question and lays out its rows.
 
-        image = prepare_image(request.image_bytes, request.image_mime, request.opened)
-    questions = request.questions
-    prompts = [render_prompt(q) for q in questions]
-    ids = encode_prompts(prompts, tokenizer, image.image_tokens)
+    With the contract's open image, the decode runs on an image thread while this one tokenizes
+    (the image run's length follows from the header's size); its refusals still come first.
+    """
+    started = time.perf_counter()
+    pending = None
+    if image is None:
+        pending = start_image(request)
+        if pending is None:
+            from runtime.images import prepare_image
+
+            image = prepare_image(request.image_bytes, request.image_mime, request.opened)
+    try:
+        tokens = image.image_tokens if image is not None else header_tokens(request)
+        drafts, prefix, processed = lay_out(request.questions, tokenizer, tokens)
+    except ContractError as error:
+        refusal: ContractError | None = error
+    else:
+        refusal = None
+    if pending is not None:
+        image = pending.result()  # an image refusal is raised here, before the text's
+    if refusal is not None:
+        raise refusal
+    return Prepared(
+        image=image,
+        layouts=tuple(with_positions(drafts, image)),
+        prefix_length=prefix,
+        input_tokens=processed,
+        prepare_seconds=time.perf_counter() - started,
+    )
+
+
+_image_pool: ThreadPoolExecutor | None = None
+_image_pool_lock = threading.Lock()
+
+
+def start_image(request: Request) -> Future | None:
+    """`prepare_image` on an image thread, for a request with the contract's open image."""
+    global _image_pool
+    if request.opened is None:
+        return None
+    from runtime.images import prepare_image
+
+    with _image_pool_lock:
+        if _image_pool is None:
+            _image_pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="omnijev-image")
+    return _image_pool.submit(
+        prepare_image, request.image_bytes, request.image_mime, request.opened
+    )
+
+
+def header_tokens(request: Request) -> int:
+    """The image run's length from the open header's size, as the decoded image will give."""
+    from runtime.images import FACTOR, smart_resize
+
+    width, height = request.opened.size
+    resized_h, resized_w = smart_resize(height, width)
+    return (resized_h // FACTOR) * (resized_w // FACTOR)
+
+
+def lay_out(
+    questions: Sequence[Question], tokenizer: Tokenizer, image_tokens: int
+) -> tuple[list[dict], int, int]:
+    """Every question's layout fields but its positions (`with_positions` adds them), after the
+    limits' checks; the prefix length and the processed tokens."""
+    ids = encode_questions(questions, tokenizer, image_tokens)
     check_sequence_lengths(questions, ids)
-    prefix, opens, closes = prefix_and_marks(ids)
+    arrays = [np.asarray(question_ids, dtype=np.int64) for question_ids in ids]
+    prefix, opens, closes = prefix_and_marks(arrays)
     for question, question_opens in zip(questions, opens, strict=True):
         if len(question_opens) != len(question.option_texts):
             raise ContractError(MARKER_ERROR)
     # Both totals come from the markers, so an oversized request is refused before its rows exist.
     processed = processed_tokens(prefix, opens, closes)
     check_request_totals(processed, read_tokens(questions, opens, closes))
-    layouts = []
-    for question, prompt, question_ids, question_opens, question_closes in zip(
-        questions, prompts, ids, opens, closes, strict=True
+    drafts = []
+    for question, question_ids, array, question_opens, question_closes in zip(
+        questions, ids, arrays, opens, closes, strict=True
     ):
         rows = question_rows(question_ids, prefix, question_opens, question_closes)
-        layouts.append(
-            QuestionLayout(
-                question=question,
-                prompt=prompt,
-                token_ids=tuple(question_ids),
-                opens=tuple(question_opens),
-                closes=tuple(question_closes),
-                rows=tuple(rows),
-                positions=sequence_positions(question_ids, image),
-            )
+        drafts.append(
+            {
+                "question": question,
+                "prompt": render_prompt(question),
+                "token_ids": tuple(question_ids),
+                "opens": tuple(question_opens),
+                "closes": tuple(question_closes),
+                "rows": tuple(rows),
+                "ids": array,
+            }
         )
-    return Prepared(
-        image=image,
-        layouts=tuple(layouts),
-        prefix_length=prefix,
-        input_tokens=processed,
-        prepare_seconds=time.perf_counter() - started,
-    )
+    return drafts, prefix, processed
+
+
+def with_positions(drafts: Sequence[dict], image: PreparedImage) -> list[QuestionLayout]:
+    """The layouts with their M-RoPE positions, each image run checked against the grid."""
+    layouts = []
+    for draft in drafts:
+        fields = dict(draft)
+        positions = sequence_positions(fields.pop("ids"), image)
+        layouts.append(QuestionLayout(**fields, positions=positions))
+    return layouts

@@ -286,3 +286,85 @@ def test_option_text_token_limit_skips_score(tok):
     scores = tuple(digits_question(f"q{i}", 1, "score", options) for i in range(3))
     prepared = prepare(Request("image/png", b"", scores), tok, image=fake_image((1, 16, 16)))
     assert sum(len(row.targets) for lay in prepared.layouts for row in lay.rows) == 3 * 30 * 200
+
+
+# -- the template's ids once per tokenizer, the image beside the tokenizer (issue 13) -----------
+
+SPLIT_TEXT = list("ab c\n\t  .,!?éü日本語🙂\u0301\u00a0\u3000<|>/") + [
+    "<|im_end|>",
+    "<|im_start|>",
+    "<think>",
+    "</think>",
+    "<|endoftext|>",
+    " ",
+    "\n\n",
+    "'s",
+    "123",
+    "<|",
+]
+
+
+def test_split_ids_equal_the_whole_prompts(tok):
+    from runtime.processing import encode_prompts, split_ids, splittable, template
+
+    made = template(tok)
+    assert made is not None  # the built-in tokenizer splits at its added tokens
+    rng = np.random.default_rng(0)
+
+    def text(n: int) -> str:
+        return "".join(rng.choice(SPLIT_TEXT, size=int(rng.integers(0, n))))
+
+    for _ in range(300):
+        count = int(rng.integers(1, 4))
+        questions = [
+            Question(f"q{i}", "choice", text(30), ("a", "b", "c"), (text(10), text(10), ""))
+            for i in range(count)
+        ]
+        if splittable(questions):
+            whole = encode_prompts([render_prompt(q) for q in questions], tok, 5)
+            assert split_ids(questions, tok, made, 5) == whole
+
+
+def test_template_is_refused_where_a_token_could_cross_a_split(tok):
+    from tokenizers import AddedToken, Tokenizer
+
+    from runtime.processing import make_template
+
+    crossing = Tokenizer.from_str(tok.to_str())
+    crossing.add_special_tokens([AddedToken("!<|opt|>", special=True, normalized=False)])
+    assert make_template(crossing) is None
+    stripping = Tokenizer.from_str(tok.to_str())
+    stripping.add_special_tokens([AddedToken("<x>", special=True, lstrip=True)])
+    assert make_template(stripping) is None
+
+
+def test_reserved_marker_text_takes_the_whole_prompt_path(tok):
+    from runtime.processing import encode_questions, splittable
+
+    question = Question("q", "noul", "see <|image_pad|>", ("yes",), ("",))
+    assert not splittable([question])
+    with pytest.raises(ContractError, match=PLACEHOLDER_ERROR):
+        encode_questions([question], tok, 4)
+
+
+def test_an_image_refusal_comes_before_a_text_refusal(tok):
+    """The decode runs beside the tokenizer; its refusal is still the one the client gets."""
+    from PIL import Image
+
+    from runtime.contract import compile_request
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(buffer, "PNG")
+    truncated = buffer.getvalue()[:-30]  # the header opens; the pixels do not decode
+    url = "data:image/png;base64," + base64.b64encode(truncated).decode()
+    long = {"type": "noul", "instructions": "7" * 8190}  # over 8192 tokens with the image
+    body = {"state": {"images": [url]}, "questions": {"q": long}}
+    with pytest.raises(ContractError) as refused:
+        prepare(compile_request(body), tok)
+    assert str(refused.value) == "invalid image"
+    body["state"]["images"] = [
+        "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    ]
+    with pytest.raises(ContractError) as refused:
+        prepare(compile_request(body), tok)
+    assert str(refused.value).startswith("question q: ")
