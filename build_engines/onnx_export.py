@@ -20,7 +20,14 @@ from torch.export import Dim
 from plugins.readout import DOMAIN, GEMM_OPSET
 from runtime.constants import DTYPES, GRAPHS, MODEL_DTYPES
 from runtime.model.gdn import GDN_VARIANTS, STD_MAX_TOKENS
-from runtime.model.language import READOUT_VARIANTS, LanguagePass
+from runtime.model.language import (  # noqa: F401 (the graph names, re-exported)
+    READOUT_VARIANTS,
+    LanguagePass,
+    layer_counts,
+    lm_args,
+    lm_input_names,
+    lm_output_names,
+)
 from runtime.model.vision import ATTENTION_VARIANTS
 from runtime.model.weights import load_language_pass, load_vision_tower, read_config
 
@@ -32,53 +39,6 @@ EXTERNAL_BYTES = 1 << 30  # weights above this go to `<graph>.onnx.data` (protob
 # Example sizes for tracing: distinct and > 1, so no dynamic axis is specialised or unified.
 EXAMPLE = {"B": 5, "T": 7, "N": 6, "P": 9, "Q": 10, "S": 11, "R": 12, "M": 13}
 MERGED_EXAMPLE = 6  # merged vision rows while tracing (patches = 4 × this)
-
-
-def layer_counts(config: dict) -> tuple[int, int]:
-    """(attention layers, Gated DeltaNet layers) of config.json."""
-    types = config["text_config"]["layer_types"]
-    return types.count("full_attention"), types.count("linear_attention")
-
-
-def lm_input_names(config: dict) -> list[str]:
-    """Inputs of both language-model graphs in `LanguagePass.forward` order."""
-    attn, gdn = layer_counts(config)
-    return [
-        "input_ids", "image_features", "positions", "lengths",
-        *[f"prefix_k.{i}" for i in range(attn)], *[f"prefix_v.{i}" for i in range(attn)],
-        "prefix_mask", "src",
-        *[f"src_k.{i}" for i in range(attn)], *[f"src_v.{i}" for i in range(attn)],
-        "src_mask",
-        *[f"src_conv.{j}" for j in range(gdn)], *[f"src_rec.{j}" for j in range(gdn)],
-        "read_rows", "target_rows", "target_tokens",
-    ]  # fmt: skip
-
-
-def lm_output_names(config: dict, return_state: bool) -> list[str]:
-    attn, gdn = layer_counts(config)
-    if not return_state:
-        return ["hidden", "logprobs"]
-    return [
-        "hidden", "logprobs",
-        *[f"out_k.{i}" for i in range(attn)], *[f"out_v.{i}" for i in range(attn)],
-        *[f"out_conv.{j}" for j in range(gdn)], *[f"out_rec.{j}" for j in range(gdn)],
-    ]  # fmt: skip
-
-
-def lm_args(feeds: dict, config: dict) -> tuple:
-    """`LanguagePass.forward` arguments from inputs keyed by their ONNX names."""
-    attn, gdn = layer_counts(config)
-
-    def group(name: str, count: int) -> list:
-        return [feeds[f"{name}.{i}"] for i in range(count)]
-
-    return (
-        feeds["input_ids"], feeds["image_features"], feeds["positions"], feeds["lengths"],
-        group("prefix_k", attn), group("prefix_v", attn), feeds["prefix_mask"], feeds["src"],
-        group("src_k", attn), group("src_v", attn), feeds["src_mask"],
-        group("src_conv", gdn), group("src_rec", gdn),
-        feeds["read_rows"], feeds["target_rows"], feeds["target_tokens"],
-    )  # fmt: skip
 
 
 def example_lm_feeds(config: dict, dtype: torch.dtype, sizes: dict = EXAMPLE) -> dict:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.readout import token_logprobs
-from runtime.model.gdn import CORES, GDN_VARIANTS, l2norm
+from runtime.model.gdn import CORES, GDN_VARIANTS, gated_delta_fla, l2norm
 from runtime.model.layers import MASKED, MLP, GatedRMSNorm, RMSNorm, rotate_half
 
 READOUT_VARIANTS = ("std", "plugin")
@@ -77,6 +77,37 @@ def grouped_attention(
     return out.transpose(1, 2).reshape(b, t, heads * hd)
 
 
+def folded_attention(
+    q: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`grouped_attention` with every row's queries folded into one matrix product against the
+    shared keys ([KVH, B·G·T, hd] × [KVH, hd, P]) and back, so that the prefix is read once per
+    pass, not as B·G small products (the torch backend's form; the export keeps the other)."""
+    b, heads, t, hd = q.shape
+    kv_heads, p = keys.shape[1], shared_k.shape[2]
+    group = heads // kv_heads
+    qg = q.reshape(b, kv_heads, group, t, hd)
+    folded = qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, b * group * t, hd)
+    shared = folded @ shared_k[0].transpose(-1, -2)
+    shared = shared.reshape(kv_heads, b, group, t, p).permute(1, 0, 2, 3, 4)
+    own = qg @ keys[:, :, None].transpose(-1, -2)
+    scores = torch.cat([shared, own], dim=-1) * scale
+    scores = torch.where(mask[:, None, None], scores.float(), MASKED)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    p_shared, p_own = probs.split([p, keys.shape[2]], dim=-1)
+    p_folded = p_shared.permute(1, 0, 2, 3, 4).reshape(kv_heads, b * group * t, p)
+    from_shared = (p_folded @ shared_v[0]).reshape(kv_heads, b, group, t, hd)
+    out = from_shared.permute(1, 0, 2, 3, 4).float() + (p_own @ values[:, :, None]).float()
+    out = out.to(values.dtype).reshape(b, heads, t, hd)
+    return out.transpose(1, 2).reshape(b, t, heads * hd)
+
+
 class GatedAttention(nn.Module):
     """Qwen3_5Attention: query + sigmoid gate per head, q/k norms, partial M-RoPE, GQA."""
 
@@ -90,6 +121,7 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
+        self.attend = grouped_attention  # the torch backend swaps in folded_attention
 
     def forward(self, x, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
         b, t, _ = x.shape
@@ -101,7 +133,7 @@ class GatedAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys = torch.cat([src_k, k], dim=2)
         values = torch.cat([src_v, v], dim=2)
-        attn = grouped_attention(q, prefix_k, prefix_v, keys, values, mask, self.head_dim**-0.5)
+        attn = self.attend(q, prefix_k, prefix_v, keys, values, mask, self.head_dim**-0.5)
         return self.o_proj(attn * torch.sigmoid(gate)), k, v
 
 
@@ -116,6 +148,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
         self.kernel = tc["linear_conv_kernel_dim"]
         self.gdn = gdn
+        self.core = "eager"  # the core outside export; the torch backend picks "fla" on CUDA
         channels = 2 * self.k_heads * self.dk + self.v_heads * self.dv
         self.in_proj_qkv = nn.Linear(hidden, channels, bias=False)
         self.in_proj_z = nn.Linear(hidden, self.v_heads * self.dv, bias=False)
@@ -150,20 +183,33 @@ class GatedDeltaNet(nn.Module):
         x = x.float().reshape(b, t, count, 1, dim)
         return x.expand(b, t, count, self.v_heads // count, dim).reshape(b, t, self.v_heads, dim)
 
-    def forward(self, x, valid, lengths, conv_past, rec_past):
+    def forward(self, x, valid, lengths, conv_past, rec_past, want_state: bool = True):
         b, t, _ = x.shape
         mixed, conv_state = self.conv(self.in_proj_qkv(x), conv_past, lengths)
         key_width = self.k_heads * self.dk
         q, k, v = mixed.split([key_width, key_width, self.v_heads * self.dv], dim=-1)
-        q = l2norm(self.heads(q, self.k_heads, self.dk)) * self.dk**-0.5
-        k = l2norm(self.heads(k, self.k_heads, self.dk))
-        v = v.float().reshape(b, t, self.v_heads, self.dv)
         beta = torch.where(valid[..., None], self.in_proj_b(x).sigmoid().float(), 0.0)
         a = self.in_proj_a(x).float()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         g = torch.where(valid[..., None], g, 0.0)
-        core = CORES[self.gdn if torch.onnx.is_in_onnx_export() else "eager"]
-        out, rec_state = core(q, k, v, g, beta, rec_past.float())
+        if self.core == "fla" and not torch.onnx.is_in_onnx_export():
+            # fla normalises q and k in the kernel and maps value head j to key head j // (HV/H)
+            out, rec_state = gated_delta_fla(
+                q.reshape(b, t, self.k_heads, self.dk),
+                k.reshape(b, t, self.k_heads, self.dk),
+                v.reshape(b, t, self.v_heads, self.dv),
+                g,
+                beta,
+                rec_past,
+                self.dk**-0.5,
+                want_state,
+            )
+        else:
+            q = l2norm(self.heads(q, self.k_heads, self.dk)) * self.dk**-0.5
+            k = l2norm(self.heads(k, self.k_heads, self.dk))
+            v = v.float().reshape(b, t, self.v_heads, self.dv)
+            core = CORES[self.gdn if torch.onnx.is_in_onnx_export() else self.core]
+            out, rec_state = core(q, k, v, g, beta, rec_past.float())
         z = self.in_proj_z(x).reshape(b, t, self.v_heads, self.dv)
         y = self.norm(out.to(x.dtype), z).reshape(b, t, self.v_heads * self.dv)
         return self.out_proj(y), conv_state, rec_state
@@ -292,3 +338,121 @@ class LanguagePass(nn.Module):
         if not self.return_state:
             return hidden, logprobs
         return (hidden, logprobs, *out_k, *out_v, *out_conv, *out_rec)
+
+
+# -- graph names (docs/design.md "Language-model passes"): the ONNX export and every backend ---
+
+
+def layer_counts(config: dict) -> tuple[int, int]:
+    """(attention layers, Gated DeltaNet layers) of config.json."""
+    types = config["text_config"]["layer_types"]
+    return types.count("full_attention"), types.count("linear_attention")
+
+
+def lm_input_names(config: dict) -> list[str]:
+    """Inputs of both language-model graphs in `LanguagePass.forward` order."""
+    attn, gdn = layer_counts(config)
+    return [
+        "input_ids", "image_features", "positions", "lengths",
+        *[f"prefix_k.{i}" for i in range(attn)], *[f"prefix_v.{i}" for i in range(attn)],
+        "prefix_mask", "src",
+        *[f"src_k.{i}" for i in range(attn)], *[f"src_v.{i}" for i in range(attn)],
+        "src_mask",
+        *[f"src_conv.{j}" for j in range(gdn)], *[f"src_rec.{j}" for j in range(gdn)],
+        "read_rows", "target_rows", "target_tokens",
+    ]  # fmt: skip
+
+
+def lm_output_names(config: dict, return_state: bool) -> list[str]:
+    attn, gdn = layer_counts(config)
+    if not return_state:
+        return ["hidden", "logprobs"]
+    return [
+        "hidden", "logprobs",
+        *[f"out_k.{i}" for i in range(attn)], *[f"out_v.{i}" for i in range(attn)],
+        *[f"out_conv.{j}" for j in range(gdn)], *[f"out_rec.{j}" for j in range(gdn)],
+    ]  # fmt: skip
+
+
+def lm_args(feeds: dict, config: dict) -> tuple:
+    """`LanguagePass.forward` arguments from inputs keyed by their ONNX names."""
+    attn, gdn = layer_counts(config)
+
+    def group(name: str, count: int) -> list:
+        return [feeds[f"{name}.{i}"] for i in range(count)]
+
+    return (
+        feeds["input_ids"], feeds["image_features"], feeds["positions"], feeds["lengths"],
+        group("prefix_k", attn), group("prefix_v", attn), feeds["prefix_mask"], feeds["src"],
+        group("src_k", attn), group("src_v", attn), feeds["src_mask"],
+        group("src_conv", gdn), group("src_rec", gdn),
+        feeds["read_rows"], feeds["target_rows"], feeds["target_tokens"],
+    )  # fmt: skip
+
+
+# -- the torch backend's pass -------------------------------------------------------------------
+
+
+def per_row(per_source: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's copy of its source's tensor: a broadcast view when there is one source (every
+    row continues the same state), a gather otherwise."""
+    if per_source.shape[0] == 1:
+        return per_source.expand(rows, *per_source.shape[1:])
+    return per_source[src]
+
+
+def pass_body(module: LanguagePass, feeds: dict, return_state: bool) -> dict[str, torch.Tensor]:
+    """`LanguagePass.forward` up to the final norm, for the torch backend: inputs and outputs by
+    their graph names, `flat` [B·T, D] (every position after the final norm) in place of the
+    readouts, which the backend takes from it in fixed-size pieces; the state outputs only with
+    `return_state` (option rows are leaves). Same arithmetic as forward, except the attention
+    and Gated DeltaNet forms the layers were given (`attend`, `core`)."""
+    input_ids, lengths, src = feeds["input_ids"], feeds["lengths"], feeds["src"]
+    b, t = input_ids.shape
+    h = module.embed(input_ids, feeds["image_features"])
+    cos, sin = module.rotary(feeds["positions"], h.dtype)
+    steps = torch.arange(t, device=input_ids.device)
+    valid = steps[None, :] < lengths[:, None]
+    causal = steps[None, :, None] >= steps[None, None, :]
+    mask = torch.cat(
+        [
+            feeds["prefix_mask"][:, None, :].expand(b, t, -1),
+            per_row(feeds["src_mask"], src, b)[:, None, :].expand(-1, t, -1),
+            causal & valid[:, None, :],
+        ],
+        dim=-1,
+    )
+    out: dict[str, torch.Tensor] = {}
+    i = j = 0
+    for layer in module.layers:
+        x = layer.input_layernorm(h)
+        if layer.kind == "full_attention":
+            x, k, v = layer.self_attn(
+                x,
+                cos,
+                sin,
+                mask,
+                feeds[f"prefix_k.{i}"],
+                feeds[f"prefix_v.{i}"],
+                per_row(feeds[f"src_k.{i}"], src, b),
+                per_row(feeds[f"src_v.{i}"], src, b),
+            )
+            if return_state:
+                out[f"out_k.{i}"], out[f"out_v.{i}"] = k, v
+            i += 1
+        else:
+            x, conv, rec = layer.linear_attn(
+                x,
+                valid,
+                lengths,
+                per_row(feeds[f"src_conv.{j}"], src, b),
+                per_row(feeds[f"src_rec.{j}"], src, b),
+                want_state=return_state,
+            )
+            if return_state:
+                out[f"out_conv.{j}"], out[f"out_rec.{j}"] = conv, rec
+            j += 1
+        h = h + x
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    out["flat"] = module.norm(h).reshape(b * t, -1)
+    return out

@@ -98,6 +98,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.heads = heads
         self.fused = False  # export the attention as ONNX Runtime's MultiHeadAttention
+        self.sdpa = False  # outside export: torch's fused attention (the torch backend on CUDA)
         self.norm1 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
         self.norm2 = nn.LayerNorm(dim, eps=LAYER_NORM_EPS)
         self.attn = nn.Module()
@@ -116,6 +117,9 @@ class VisionBlock(nn.Module):
         scale = q.shape[-1] ** -0.5
         if self.fused and torch.onnx.is_in_onnx_export():
             return self.attn.proj(fused_attention(q, k, v, scale))
+        if self.sdpa and not torch.onnx.is_in_onnx_export():
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0]
+            return self.attn.proj(out.transpose(0, 1).reshape(n, dim))
         scores = (q @ k.transpose(-1, -2)) * scale
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         return self.attn.proj((probs @ v).transpose(0, 1).reshape(n, dim))

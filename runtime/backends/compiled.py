@@ -1,0 +1,353 @@
+"""The torch backend: the model's own modules (`runtime.model`) on the export's weights, behind the
+same graphs, feeds and outputs as the ONNX files. On CUDA: fla-core's Gated DeltaNet kernels, the
+prefix read in place by one folded product per pass, `torch.compile` and one CUDA graph per shape
+(`runtime.backends.graphs`); on the CPU: eager PyTorch with the eager chunked core, no graphs.
+
+Follows docs/design.md "Language-model passes" and engines.md §15 (the compiled engine measured
+on the H200); module names deliberately avoid `torch.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from runtime.backends.graphs import GraphSlots, Slot, signature
+from runtime.config import RuntimeConfig
+from runtime.constants import DTYPES
+from runtime.model.language import folded_attention, lm_input_names, lm_output_names, pass_body
+
+log = logging.getLogger("omnijev.torch")
+
+# readout rows per matrix product: every piece has this one shape, so a row's log-probability
+# never depends on how many other rows the pass reads (invariance); 128 rows × the 248,079-row
+# table is where the product stops being bound by reading the table (1.27 GB in BF16)
+READOUT_PIECE = 128
+# embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
+# to an sm75 kernel on the H200 (engines.md §15); the padded rows are never read
+TABLE_ALIGN = 64
+GRAPH_SLOTS = 64  # shape signatures kept per graph, each with its buffers and CUDA graph
+RECOMPILE_LIMIT = 256  # dynamo's per-function cache (default 8): one entry per shape family
+TORCH_DIR = "torch"  # in an engine directory: the compiler caches `omnijev engines` prepared
+INDUCTOR_CACHE = "inductor"
+TRITON_CACHE = "triton"
+ENGINES_MANIFEST = "engines.json"
+ONNX_MANIFEST = "onnx_ort/onnx_export.json"
+VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
+LM_GRAPHS = ("lm_state", "lm_rows")
+VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of what the compiler caches depend on (None: not installed)."""
+    found = {}
+    for name in VERSIONED:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    found["torch"] = torch.__version__  # the build tag (+cu130) matters, metadata drops none
+    return found
+
+
+def unavailable_reason(config: RuntimeConfig) -> str | None:
+    """Why `auto` should not pick this backend: it is the default only on CUDA with fla-core
+    and Triton importable."""
+    if config.device == "cpu":
+        return "device cpu asked for"
+    if not torch.cuda.is_available():
+        return "no cuda device"
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"fla-core or triton missing: {error}"
+    return None
+
+
+def fla_importable() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def engine_dtype(engines_dir: Path, cuda: bool) -> torch.dtype:
+    """The engine directory's dtype (engines.json, else the ONNX variant's description); BF16 on
+    CUDA and float32 on the CPU when neither names one."""
+    for name in (ENGINES_MANIFEST, ONNX_MANIFEST):
+        path = engines_dir / name
+        if path.is_file():
+            dtype = json.loads(path.read_text("utf-8")).get("dtype")
+            if dtype:
+                return DTYPES[dtype]
+    return torch.bfloat16 if cuda else torch.float32
+
+
+def check_artifacts(engines_dir: Path) -> Path | None:
+    """The engine directory's compiler caches when they were made with the versions installed
+    now; None when it has none; an error naming the mismatch otherwise."""
+    manifest = engines_dir / ENGINES_MANIFEST
+    if not manifest.is_file():
+        return None
+    recorded = json.loads(manifest.read_text("utf-8")).get("torch")
+    if not recorded:
+        return None
+    installed = versions()
+    for name, made_with in recorded["versions"].items():
+        if installed.get(name) != made_with:
+            raise RuntimeError(
+                f"torch engine artifacts were made with {name} {made_with}, "
+                f"this process has {installed.get(name)}: rebuild them with `omnijev engines`"
+            )
+    return engines_dir / recorded["dir"]
+
+
+def use_caches(folder: Path) -> None:
+    """Points Inductor's and Triton's caches (fla's kernels included) at `folder`; they read the
+    variables when they first compile, which is after this."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / INDUCTOR_CACHE)
+    os.environ["TRITON_CACHE_DIR"] = str(folder / TRITON_CACHE)
+
+
+def padded_table(embedding: torch.Tensor) -> torch.Tensor:
+    """The tied embedding with zero rows appended up to TABLE_ALIGN; the module keeps a view of
+    its first rows, so the weights stay one copy."""
+    rows = -(-embedding.shape[0] // TABLE_ALIGN) * TABLE_ALIGN
+    table = torch.zeros(rows, embedding.shape[1], dtype=embedding.dtype, device=embedding.device)
+    table[: embedding.shape[0]] = embedding
+    return table
+
+
+def logprob_piece(
+    rows: torch.Tensor, table: torch.Tensor, tokens: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """plugins.readout's arithmetic for READOUT_PIECE rows: logits in the model's dtype over the
+    padded table (padding cut before the row maximum), upcast to float32, the sum of exponentials
+    in float64, the result float32."""
+    scores = (rows @ table.transpose(0, 1))[:, :vocab].float()
+    shifted = scores - scores.amax(dim=-1, keepdim=True)
+    total = shifted.exp().double().sum(dim=-1)
+    picked = shifted.gather(1, tokens[:, None])[:, 0]
+    return (picked.double() - total.log()).float()
+
+
+class TorchBackend:
+    """Runs `vision`, `lm_state` and `lm_rows` with the model's modules (runtime.model)."""
+
+    max_pass_tokens = None  # fla's kernels and the eager core take any length
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        engines_dir: Path,
+        config: RuntimeConfig | None = None,
+        dtype: torch.dtype | None = None,
+        compile: bool | None = None,
+    ):
+        from runtime.model.weights import load_language_pass, load_vision_tower, read_config
+
+        config = config or RuntimeConfig.from_env()
+        cuda = torch.cuda.is_available() and config.device != "cpu"
+        self.device = torch.device(config.device or ("cuda" if cuda else "cpu"))
+        cuda = self.device.type == "cuda"
+        if cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype or engine_dtype(Path(engines_dir), cuda)
+        self.artifacts = check_artifacts(Path(engines_dir))
+        if self.artifacts is not None:
+            use_caches(self.artifacts)
+        self.fla = cuda and fla_importable()
+        self.compiled = cuda if compile is None else compile
+        graphs = config.on(config.cuda_graphs, cuda)
+        self.config = read_config(checkpoint)
+        self.language = load_language_pass(checkpoint, self.dtype).to(self.device)
+        self.vision, _ = load_vision_tower(checkpoint, self.dtype)
+        self.vision = self.vision.to(self.device)
+        self.prepare_modules(cuda)
+        self.table = padded_table(self.language.embed_tokens.weight.data)
+        self.language.embed_tokens.weight.data = self.table[: self.vocab]
+        self.functions = self.make_functions()
+        self.slots = {
+            graph: GraphSlots(
+                self.device,
+                bind=self.bind,
+                launch=partial(self.launch, graph),
+                size=GRAPH_SLOTS,
+                capture=graphs,
+            )
+            for graph in ("vision", *LM_GRAPHS)
+        }
+        self._dtypes = {graph: self.graph_dtypes(graph) for graph in ("vision", *LM_GRAPHS)}
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    @property
+    def vocab(self) -> int:
+        return self.language.embed_tokens.num_embeddings
+
+    @property
+    def name(self) -> str:
+        parts = ["torch", self.device.type, str(self.dtype).removeprefix("torch.")]
+        if self.fla:
+            parts.append("fla")
+        if self.compiled:
+            parts.append("compiled")
+        if self.slots["lm_state"].capture:
+            parts.append("graphs")
+        return "-".join(parts[:2]) + "".join(f"+{p}" for p in parts[2:])
+
+    def prepare_modules(self, cuda: bool) -> None:
+        """The runtime forms of attention and Gated DeltaNet (the export keeps its own)."""
+        for layer in self.language.layers:
+            if layer.kind == "full_attention":
+                layer.self_attn.attend = folded_attention
+            else:
+                layer.linear_attn.core = "fla" if self.fla else "eager"
+        for block in self.vision.blocks:
+            block.sdpa = cuda
+        for module in (self.language, self.vision):
+            module.requires_grad_(False)
+
+    def make_functions(self) -> dict:
+        """The three graphs' bodies and the readout piece, compiled on CUDA (dynamic shapes:
+        one compilation serves every bucket of a family; each shape still gets its own graph)."""
+        functions = {
+            "vision": self.vision,
+            "lm_state": partial(pass_body, self.language, return_state=True),
+            "lm_rows": partial(pass_body, self.language, return_state=False),
+            "readout": partial(logprob_piece, vocab=self.vocab),
+        }
+        if not self.compiled:
+            return functions
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = RECOMPILE_LIMIT
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        compiled = {name: torch.compile(f, dynamic=True) for name, f in functions.items()}
+        compiled["readout"] = torch.compile(functions["readout"], dynamic=False)
+        return compiled
+
+    def graph_dtypes(self, graph: str) -> dict[str, torch.dtype]:
+        if graph == "vision":
+            return dict.fromkeys(VISION_INPUTS, torch.float32)
+        dtypes = {}
+        for name in lm_input_names(self.config):
+            if name in ("prefix_mask", "src_mask"):
+                dtypes[name] = torch.bool
+            elif name.startswith("src_rec."):
+                dtypes[name] = torch.float32
+            elif name == "image_features" or name.startswith(("prefix_", "src_k", "src_v")):
+                dtypes[name] = self.dtype
+            elif name.startswith("src_conv."):
+                dtypes[name] = self.dtype
+            else:
+                dtypes[name] = torch.int64
+        return dtypes
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def has_graph(self, graph: str) -> bool:
+        return graph in self._dtypes
+
+    def input_dtypes(self, graph: str) -> dict[str, torch.dtype]:
+        return self._dtypes[graph]
+
+    def output_names(self, graph: str) -> list[str]:
+        if graph == "vision":
+            return ["image_features"]
+        return lm_output_names(self.config, graph == "lm_state")
+
+    def run(
+        self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+    ) -> None:
+        feeds = self.checked(graph, feeds)
+        if self.device.type != "cuda":
+            results = self.compute(graph, feeds)
+            for name, out in outputs.items():
+                out.copy_(results[name])
+            return
+        self.slots[graph].run(signature(graph, feeds), feeds, outputs)
+
+    def prepare(self, signatures: list[tuple]) -> int:
+        """Compiles and captures each pass signature ahead of its first request, on stand-in
+        feeds (zeros, every row one token long): a graph's work depends on shapes alone."""
+        new = 0
+        for key in signatures:
+            graph, *specs = key
+            slots = self.slots[graph]
+            if slots.get(key) is not None:
+                continue
+            feeds = {name: stand_in(name, shape, dt, self.device) for name, shape, dt in specs}
+            outputs = {}
+            for _ in range(slots.warm_launches + 1):  # eager launches, then the capture
+                slots.run(key, feeds, outputs)
+            new += 1
+        return new
+
+    def settle(self) -> int:
+        return 0  # nothing builds in the background: compilation happens in prepare or run
+
+    def stats(self) -> dict:
+        return {graph: slots.stats() for graph, slots in self.slots.items()}
+
+    # -- passes -----------------------------------------------------------------------------
+
+    def checked(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        expected = self._dtypes[graph]
+        used = {}
+        for name, tensor in feeds.items():
+            if name not in expected:
+                continue
+            if tensor.dtype != expected[name] or tensor.device != self.device:
+                raise ValueError(f"{graph} input {name}: {tensor.dtype} on {tensor.device}")
+            used[name] = tensor
+        return used
+
+    def bind(self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict) -> Slot:
+        """A slot's static inputs; its outputs are whatever the launch returned last (during a
+        capture: tensors of the graph's own pool, rewritten by every replay)."""
+        return Slot(inputs={name: torch.empty_like(t) for name, t in feeds.items()}, outputs={})
+
+    def launch(self, graph: str, slot: Slot) -> None:
+        slot.outputs.update(self.compute(graph, slot.inputs))
+
+    def compute(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if graph == "vision":
+            return {"image_features": self.functions["vision"](*(feeds[n] for n in VISION_INPUTS))}
+        out = self.functions[graph](feeds)
+        flat = out.pop("flat")
+        out["hidden"] = flat[feeds["read_rows"]].float()
+        out["logprobs"] = self.readout(flat, feeds["target_rows"], feeds["target_tokens"])
+        return out
+
+    def readout(
+        self, flat: torch.Tensor, target_rows: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Log-probabilities of `tokens` at `target_rows`, READOUT_PIECE rows at a time."""
+        count = target_rows.shape[0]
+        pad = (-count) % READOUT_PIECE
+        rows = flat[F.pad(target_rows, (0, pad))]
+        tokens = F.pad(tokens, (0, pad))
+        piece = self.functions["readout"]
+        pieces = [
+            piece(rows[at : at + READOUT_PIECE], self.table, tokens[at : at + READOUT_PIECE])
+            for at in range(0, count + pad, READOUT_PIECE)
+        ]
+        return torch.cat(pieces)[:count]
+
+
+def stand_in(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A feed for warm-up: zeros, except one valid token per row."""
+    if name == "lengths":
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)

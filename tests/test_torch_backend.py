@@ -1,0 +1,147 @@
+"""The torch backend on the CPU (eager PyTorch, float32, tiny checkpoint): the same graphs, feeds
+and outputs as the ONNX files; parity with the float32 reference and invariance to the other
+questions, their order and repetition; the attention and readout forms it runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
+from tests.engine_fixtures import tiny_engines
+from tools.bench import compare, encode, photo_image, without_latency
+
+PARITY = 1.0001e-4  # as tests/test_executor.py: one unit of the answers' fourth decimal
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    return tiny_engines(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def executor(engines):
+    from runtime.executor import load_engine
+
+    return load_engine(str(engines[0]), str(engines[1]), "torch")
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    from reference.mso1 import Reference
+
+    return Reference(engines[0], dtype="float32", device="cpu")
+
+
+def test_backend_has_the_onnx_graphs_names_and_dtypes(engines, executor):
+    from runtime.backends.ort import OrtBackend
+
+    backend, ort = executor.backend, OrtBackend(engines[1])
+    assert backend.name == "torch-cpu+float32"
+    assert backend.max_pass_tokens is None
+    for graph in ("vision", "lm_state", "lm_rows"):
+        assert backend.has_graph(graph)
+        assert backend.output_names(graph) == ort.output_names(graph), graph
+        assert backend.input_dtypes(graph) == ort.input_dtypes(graph), graph
+
+
+@pytest.mark.parametrize("questions", ["speed_bench", "gate"])
+def test_matches_float32_reference(executor, reference, questions):
+    qs = speed_bench_questions(12) if questions == "speed_bench" else gate_questions()
+    for image, mime in (
+        (pattern_png(640, 480), "image/png"),
+        (encode(photo_image(800, 600, 3), "JPEG"), "image/jpeg"),
+    ):
+        body = request_body(image, qs, mime)
+        result = compare(reference.answer(body), executor.answer(body))
+        assert result["input_tokens_equal"]
+        assert max(result["differences"]) <= PARITY, result
+        assert not result["flips"]
+
+
+def test_agrees_with_onnx_runtime_below_the_rounding(engines, executor):
+    from reference.questions import build_request
+    from runtime.contract import compile_request
+    from runtime.executor import load_engine
+    from runtime.processing import prepare
+
+    ort = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+    request = compile_request(build_request(pattern_png(320, 224), gate_questions()))
+    prepared = prepare(request, executor.tokenizer)
+    for a, b in zip(executor.readouts(prepared), ort.readouts(prepared), strict=True):
+        assert np.allclose(a.zq, b.zq, atol=1e-4, rtol=1e-4)
+        assert np.allclose(a.u, b.u, atol=1e-4, rtol=1e-4)
+        for pa, pb in zip(a.picked, b.picked, strict=True):
+            assert np.allclose(pa, pb, atol=1e-4, rtol=1e-5)
+
+
+def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
+    executor.prefix_cache.entries.clear()
+    executor.prefix_cache.size = 0
+    image = pattern_png(320, 224)
+    questions = {**speed_bench_questions(12), **gate_questions()}
+
+    def answers(qs: dict) -> dict:
+        return without_latency(executor.answer(request_body(image, qs, "image/png")))
+
+    together = answers(questions)
+    backwards = answers(dict(reversed(list(questions.items()))))
+    assert json.dumps(answers(questions)) == json.dumps(together)
+    for qid, question in questions.items():
+        alone = answers({qid: question})
+        assert json.dumps(alone[qid]) == json.dumps(together[qid]), qid
+        assert json.dumps(backwards[qid]) == json.dumps(together[qid]), qid
+
+
+def test_folded_attention_is_grouped_attention():
+    from runtime.model.language import folded_attention, grouped_attention
+
+    generator = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, t, p, own, hd = 3, 4, 2, 5, 7, 6, 8
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q, shared_k, shared_v = (
+        draw(b, heads, t, hd),
+        draw(1, kv_heads, p, hd),
+        draw(1, kv_heads, p, hd),
+    )
+    keys, values = draw(b, kv_heads, own, hd), draw(b, kv_heads, own, hd)
+    mask = torch.rand(b, t, p + own, generator=generator) > 0.3
+    expected = grouped_attention(q, shared_k, shared_v, keys, values, mask, 0.3)
+    got = folded_attention(q, shared_k, shared_v, keys, values, mask, 0.3)
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_readout_pieces_match_the_plugin_arithmetic():
+    from plugins.readout import token_logprobs_std
+    from runtime.backends.compiled import logprob_piece, padded_table
+
+    generator = torch.Generator().manual_seed(1)
+    embedding = torch.randn(301, 16, generator=generator)
+    rows = torch.randn(8, 16, generator=generator)
+    tokens = torch.randint(0, 301, (8,), generator=generator)
+    table = padded_table(embedding)
+    assert table.shape[0] % 64 == 0 and torch.equal(table[:301], embedding)
+    got = logprob_piece(rows, table, tokens, vocab=301)
+    assert torch.allclose(got, token_logprobs_std(rows, embedding, tokens), atol=1e-6)
+
+
+def test_artifacts_made_with_other_versions_are_refused(tmp_path):
+    from runtime.backends.compiled import check_artifacts, versions
+
+    assert check_artifacts(tmp_path) is None
+    made = {**versions(), "torch": "0.0.1"}
+    (tmp_path / "engines.json").write_text(
+        json.dumps({"torch": {"dir": "torch", "versions": made}})
+    )
+    with pytest.raises(RuntimeError, match="made with torch 0.0.1"):
+        check_artifacts(tmp_path)
+    (tmp_path / "engines.json").write_text(
+        json.dumps({"torch": {"dir": "torch", "versions": versions()}})
+    )
+    assert check_artifacts(tmp_path) == tmp_path / "torch"
