@@ -1,0 +1,68 @@
+"""The host profile (`python -m tools.hostprofile`) and the closed-loop load generator
+(`python -m tools.loadtest`) run: a small request through every stage, a stub HTTP worker."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tools import hostprofile, loadtest
+
+STUB_SECONDS = 0.005  # the stub worker's answer time
+
+
+class Stub(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(STUB_SECONDS)
+        status = 200 if self.headers.get("Content-Type") == "application/json" else 415
+        body = json.dumps({"ok": True}).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_loadtest_counts_closed_loop_answers(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/systemone"
+        report = loadtest.run_load(url, b"{}", clients=2, seconds=0.5, warm_up=0.1)
+    finally:
+        server.shutdown()
+    assert report["statuses"] == {"200": report["ok"]} and report["ok"] > 10
+    # two clients, ~5 ms an answer: at most 2 / 5 ms, and closed-loop, so not far below
+    assert 20 < report["requests_per_s"] <= 2 / STUB_SECONDS
+    assert report["latency_ms"]["p50"] >= 1e3 * STUB_SECONDS
+    assert "requests/s" in loadtest.summary(report)
+
+
+def test_host_profile_times_every_stage():
+    from runtime.finish import Calibration
+    from runtime.tokenizer import load_tokenizer
+    from tools.bench import body, encode, pattern_image
+
+    request = body(
+        encode(pattern_image(96, 64), "PNG"),
+        "image/png",
+        {"q": {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": None}}},
+    )
+    heads, tokenizer = hostprofile.synthetic_heads(hidden=64), load_tokenizer(None)
+    device = hostprofile.device_for("cpu")
+    times: dict[str, list[float]] = {}
+    hostprofile.profile_once(request, tokenizer, heads, Calibration.v11(), device, times)
+    assert set(hostprofile.STAGES) <= set(times)
+    assert all(len(times[stage]) == 1 for stage in hostprofile.STAGES)
+    total = hostprofile.total_once(request, tokenizer, heads, Calibration.v11(), device)
+    assert 0 < total < 10
+    row = {stage: 1.0 for stage in (*hostprofile.STAGES, "sum of stages", "host total")}
+    assert "| host total | 1.00 |" in hostprofile.table({"PNG": row})
