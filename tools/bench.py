@@ -297,6 +297,8 @@ def cli_parity(args) -> int:
 def cli_bench(args) -> int:
     from runtime.executor import load_engine
 
+    if getattr(args, "host_only", False):  # no engines: the host stages alone
+        return print_host_profile(args.runs, None, getattr(args, "out", None))
     started = time.perf_counter()
     executor = load_engine(args.checkpoint, args.engines, args.backend)
     executor.answer(json.dumps(executor.warm_up_request()).encode())
@@ -311,4 +313,22 @@ def cli_bench(args) -> int:
         Path(args.out).write_text(json.dumps({"cold_start_s": cold, "rows": rows}, indent=1))
     print(f"cold start (load + warm-up): {cold:.2f} s")
     print(latency_table(rows))
+    print_host_profile(args.runs, executor)
+    return 0
+
+
+def print_host_profile(runs: int, executor=None, out: str | None = None) -> int:
+    """The per-stage host profile (tools.hostprofile) with the executor's tokenizer, heads,
+    calibration and device, or the built-in tokenizer and 4b-sized synthetic heads."""
+    from tools import hostprofile
+
+    kept = {}
+    if executor is not None:
+        kept = dict(tokenizer=executor.tokenizer, heads=executor.heads)
+        kept.update(calibration=executor.calibration, device=str(executor.device))
+    results = hostprofile.profile(runs=runs, **kept)
+    if out:
+        Path(out).write_text(json.dumps({"host_stages_ms": results}, indent=1))
+    print(f"host stages ({hostprofile.machine()}, upload to {kept.get('device', 'default')})")
+    print(hostprofile.table(results))
     return 0
