@@ -370,12 +370,21 @@ def device_pixel_values(resized, table=None):
     return values.expand(shape).reshape(grid_h * grid_w, 3 * TEMPORAL * PATCH**2)
 
 
-def prepare_image(data: bytes, mime: str, opened: OpenedImage | None = None) -> PreparedImage:
-    """Decodes, resizes, normalizes and packs an image for the vision tower."""
+def prepare_image(
+    data: bytes, mime: str, opened: OpenedImage | None = None, pack: bool = True
+) -> PreparedImage:
+    """Decodes, resizes, normalizes and packs an image for the vision tower.
+
+    With `pack` False the patches are left to the device (`device_pixel_values(resized)`):
+    `pixel_values` is then None and the host skips its largest array (14 MB for the bench still).
+    """
     rgb = decode_rgb(data, mime, opened)
     height, width = rgb.shape[:2]
     resized = resize_rgb(rgb, *smart_resize(height, width))
-    pixel_values, grid_thw = normalize_and_pack(resized)
+    if pack:
+        pixel_values, grid_thw = normalize_and_pack(resized)
+    else:
+        pixel_values, grid_thw = None, (1, *check_grid(*resized.shape))
     return PreparedImage(
         width=width,
         height=height,

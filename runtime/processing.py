@@ -304,20 +304,26 @@ def check_request_totals(processed: int, targets: int) -> None:
         raise ContractError(f"request reads {targets} option-text tokens, above {MAX_TARGETS}")
 
 
-def prepare(request: Request, tokenizer: Tokenizer, image: PreparedImage | None = None) -> Prepared:
+def prepare(
+    request: Request,
+    tokenizer: Tokenizer,
+    image: PreparedImage | None = None,
+    pack: bool = True,
+) -> Prepared:
     """Decodes the image (unless given), tokenizes every question and lays out its rows.
 
     With the contract's open image, the decode runs on an image thread while this one tokenizes
     (the image run's length follows from the header's size); its refusals still come first.
+    `pack` False leaves the patches to the device (`runtime.images.prepare_image`).
     """
     started = time.perf_counter()
     pending = None
     if image is None:
-        pending = start_image(request)
+        pending = start_image(request, pack)
         if pending is None:
             from runtime.images import prepare_image
 
-            image = prepare_image(request.image_bytes, request.image_mime, request.opened)
+            image = prepare_image(request.image_bytes, request.image_mime, request.opened, pack)
     try:
         tokens = image.image_tokens if image is not None else header_tokens(request)
         drafts, prefix, processed = lay_out(request.questions, tokenizer, tokens)
@@ -342,7 +348,7 @@ _image_pool: ThreadPoolExecutor | None = None
 _image_pool_lock = threading.Lock()
 
 
-def start_image(request: Request) -> Future | None:
+def start_image(request: Request, pack: bool = True) -> Future | None:
     """`prepare_image` on an image thread, for a request with the contract's open image."""
     global _image_pool
     if request.opened is None:
@@ -353,7 +359,7 @@ def start_image(request: Request) -> Future | None:
         if _image_pool is None:
             _image_pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="omnijev-image")
     return _image_pool.submit(
-        prepare_image, request.image_bytes, request.image_mime, request.opened
+        prepare_image, request.image_bytes, request.image_mime, request.opened, pack
     )
 
 

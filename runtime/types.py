@@ -43,7 +43,8 @@ class PreparedImage:
     width: int  # original size
     height: int
     rgb: np.ndarray  # uint8 [H, W, 3], Pillow's convert("RGB")
-    pixel_values: np.ndarray  # float32 [patches, 1536]
+    # float32 [patches, 1536]; None when prepared with pack=False (the device makes them)
+    pixel_values: np.ndarray
     grid_thw: tuple[int, int, int]  # (1, H/16, W/16)
     # uint8 [H', W', 3] after the resize: runtime.images.device_pixel_values makes pixel_values
     # from it on the device (an eighth of the bytes to upload)

@@ -464,3 +464,15 @@ def test_pack_equals_torchvision_arithmetic():
     blocks = normalized.reshape(3, 2, 16, 2, 2, 16, 3).transpose(0, 3, 1, 4, 6, 2, 5)
     expected = np.broadcast_to(blocks[:, :, :, :, :, None], (3, 2, 2, 2, 3, 2, 16, 16))
     assert values.tobytes() == np.ascontiguousarray(expected).reshape(24, 1536).tobytes()
+
+
+def test_unpacked_image_leaves_the_patches_to_the_device():
+    from runtime.images import device_pixel_values
+
+    data = encode(Image.fromarray(pattern(333, 217)[0]))
+    packed = prepare_image(data, "image/png")
+    unpacked = prepare_image(data, "image/png", pack=False)
+    assert unpacked.pixel_values is None and unpacked.grid_thw == packed.grid_thw
+    assert unpacked.rgb.tobytes() == packed.rgb.tobytes()
+    device = device_pixel_values(torch.from_numpy(unpacked.resized))
+    assert device.contiguous().numpy().tobytes() == packed.pixel_values.tobytes()
