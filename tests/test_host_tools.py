@@ -8,7 +8,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tools import hostprofile, loadtest
+from tools import hoststages as hostprofile
+from tools import loadtest
 
 STUB_SECONDS = 0.005  # the stub worker's answer time
 

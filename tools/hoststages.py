@@ -1,0 +1,287 @@
+"""Per-stage host times of requests: strict JSON to GPU-ready inputs, heads to response bytes.
+
+Times the project's own functions stage by stage, as the executor and the server run them
+(`Executor.prepare`, `runtime.passes.plan`, `Executor.respond`, `server.app.encode`); the bench
+requests come from `tools.bench.host_requests`, the command line is `tools.hostprofile`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+HIDDEN = 2560  # the 4b's hidden size: the heads' real cost (runtime.heads.HIDDEN)
+RUNS = 20  # warm runs per workload; the median is reported
+HEADS_SEED = 0
+# the stages in request order; "host total" is timed end to end, not summed
+STAGES = (
+    "strict JSON",
+    "contract",
+    "base64 + canonical",
+    "image header",
+    "decode",
+    "resize",
+    "patchify/normalise",
+    "tokenisation",
+    "layout",
+    "positions",
+    "plan + pass arrays",
+    "upload",
+    "heads",
+    "finishing",
+    "response JSON",
+)
+HOST_TOTAL = "host total"
+# the executor's other way to the vision input (runtime.images.device_pixel_values): not summed
+DEVICE_UPLOAD = "upload uint8 + device patches"
+
+
+class Clock:
+    """Adds the seconds since the previous lap to the stage's list."""
+
+    def __init__(self, times: dict[str, list[float]]):
+        self.times = times
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.times.setdefault(stage, []).append(now - self.last)
+        self.last = now
+
+
+def synthetic_heads(hidden: int = HIDDEN, seed: int = HEADS_SEED):
+    """Heads of the 4b's shapes with small random weights: the cost of the real ones."""
+    from runtime.heads import Heads, head_shapes
+
+    rng = np.random.default_rng(seed)
+    tensors = {
+        name: (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        for name, shape in head_shapes(hidden).items()
+    }
+    return Heads(tensors, hidden)
+
+
+def synthetic_readouts(prepared, hidden: int, seed: int = HEADS_SEED) -> list:
+    """Readouts shaped as the engines return them: zq, u and every option's target log-probs."""
+    from runtime.types import QuestionReadout
+
+    rng = np.random.default_rng(seed)
+    readouts = []
+    for layout in prepared.layouts:
+        k = len(layout.rows)
+        readouts.append(
+            QuestionReadout(
+                zq=rng.standard_normal(hidden).astype(np.float32),
+                u=rng.standard_normal((k, hidden)).astype(np.float32),
+                picked=[-rng.random(len(row.targets)).astype(np.float32) for row in layout.rows],
+                first=[None if row.first is None else -0.5 for row in layout.rows],
+            )
+        )
+    return readouts
+
+
+def device_for(name: str | None):
+    import torch
+
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def upload(prepared, work, device) -> None:
+    """The executor's host-to-device copies: pixel values, then every pass's int64 arrays."""
+    import torch
+
+    def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype).contiguous()
+
+    tensors = [tensor(prepared.image.pixel_values, torch.bfloat16)]
+    passes = [work.prefix, *(q.rows for q in work.questions), *(o.rows for o in work.options)]
+    for rows in passes:
+        tensors += [tensor(a, torch.int64) for a in rows.arrays().values()]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def upload_resized(prepared, device) -> None:
+    """The resized uint8 image through pinned memory, patches made on the device."""
+    import torch
+
+    from runtime.images import device_pixel_values
+
+    resized = torch.from_numpy(prepared.image.resized)
+    if device.type == "cuda":
+        resized = resized.pin_memory().to(device, non_blocking=True)
+    device_pixel_values(resized).to(torch.bfloat16)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_once(body: bytes, tokenizer, heads, calibration, device, times: dict) -> None:
+    """One request through every host stage, each timed on its own."""
+    from runtime import images, processing
+    from runtime.contract import compile_request
+    from runtime.finish import finish_answer
+    from runtime.heads import question_mu
+    from runtime.passes import plan
+    from runtime.strict_json import parse_body
+    from runtime.types import Prepared, PreparedImage, QuestionLayout
+
+    clock = Clock(times)
+    obj = parse_body(body)
+    clock.lap("strict JSON")
+    request = compile_request(obj)
+    clock.lap("contract")
+    # the image part of the contract again, stage by stage; subtracted from "contract" below
+    encoded = obj["state"]["images"][0].partition(",")[2]
+    data = images.decode_base64(encoded)
+    clock.lap("base64 + canonical")
+    images.open_header(data, request.image_mime).close()
+    clock.lap("image header")
+    times["contract"][-1] -= times["base64 + canonical"][-1] + times["image header"][-1]
+    opened = getattr(request, "opened", None)  # the contract's open header, where kept
+    rgb = images.decode_rgb(request.image_bytes, request.image_mime, *([opened] if opened else []))
+    clock.lap("decode")
+    resized = images.resize_rgb(rgb, *images.smart_resize(*rgb.shape[:2]))
+    clock.lap("resize")
+    pixel_values, grid = images.normalize_and_pack(resized)
+    clock.lap("patchify/normalise")
+    image = PreparedImage(rgb.shape[1], rgb.shape[0], rgb, pixel_values, grid)
+    if hasattr(images, "device_pixel_values"):
+        image = PreparedImage(rgb.shape[1], rgb.shape[0], rgb, pixel_values, grid, resized)
+    questions = request.questions
+    prompts = [processing.render_prompt(q) for q in questions]
+    if hasattr(processing, "encode_questions"):
+        ids = processing.encode_questions(questions, tokenizer, image.image_tokens)
+    else:  # the runtime before the template's ids were kept
+        ids = processing.encode_prompts(prompts, tokenizer, image.image_tokens)
+    clock.lap("tokenisation")
+    processing.check_sequence_lengths(questions, ids)
+    prefix, opens, closes = processing.prefix_and_marks(ids)
+    processed = processing.processed_tokens(prefix, opens, closes)
+    processing.check_request_totals(processed, processing.read_tokens(questions, opens, closes))
+    rows = [
+        processing.question_rows(i, prefix, o, c)
+        for i, o, c in zip(ids, opens, closes, strict=True)
+    ]
+    clock.lap("layout")
+    positions = [processing.sequence_positions(question_ids, image) for question_ids in ids]
+    clock.lap("positions")
+    layouts = tuple(
+        QuestionLayout(q, p, tuple(i), tuple(o), tuple(c), tuple(r), pos)
+        for q, p, i, o, c, r, pos in zip(
+            questions, prompts, ids, opens, closes, rows, positions, strict=True
+        )
+    )
+    prepared = Prepared(image, layouts, prefix, processed)
+    work = plan(prepared)
+    for rows in [work.prefix, *(q.rows for q in work.questions), *(o.rows for o in work.options)]:
+        rows.arrays()
+    clock.lap("plan + pass arrays")
+    upload(prepared, work, device)
+    clock.lap("upload")
+    if getattr(prepared.image, "resized", None) is not None:
+        upload_resized(prepared, device)
+        clock.lap(DEVICE_UPLOAD)
+    readouts = synthetic_readouts(prepared, heads.hidden)
+    clock.last = time.perf_counter()  # the readouts stand in for the engines: not host work
+    mus = [question_mu(heads, q.type, r) for q, r in zip(questions, readouts, strict=True)]
+    clock.lap("heads")
+    answers = {
+        q.id: finish_answer(q.type, q.keys, mu, calibration, 0.01, 0.01)
+        for q, mu in zip(questions, mus, strict=True)
+    }
+    clock.lap("finishing")
+    response = {"model": "m", "answers": answers, "usage": {"input_tokens": processed}}
+    json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    clock.lap("response JSON")
+
+
+def total_once(body: bytes, tokenizer, heads, calibration, device) -> float:
+    """The same path end to end with the runtime's own entry points (prepare, plan, respond)."""
+    from runtime.contract import compile_request
+    from runtime.finish import answer_question
+    from runtime.passes import plan
+    from runtime.processing import prepare
+    from runtime.strict_json import parse_body
+
+    started = time.perf_counter()
+    prepared = prepare(compile_request(parse_body(body)), tokenizer)
+    work = plan(prepared)
+    upload(prepared, work, device)
+    between = time.perf_counter()
+    readouts = synthetic_readouts(prepared, heads.hidden)
+    resumed = time.perf_counter()
+    answers = {
+        layout.question.id: answer_question(heads, calibration, layout.question, r, 0.01, 0.01)
+        for layout, r in zip(prepared.layouts, readouts, strict=True)
+    }
+    response = {"model": "m", "answers": answers, "usage": {"input_tokens": 0}}
+    json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return time.perf_counter() - resumed + between - started
+
+
+def profile(
+    requests: dict[str, bytes],
+    tokenizer=None,
+    heads=None,
+    calibration=None,
+    runs: int = RUNS,
+    device: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds per stage for each request; `host total` timed end to end."""
+    from runtime.finish import Calibration
+    from runtime.tokenizer import load_tokenizer
+
+    tokenizer = tokenizer or load_tokenizer(None)
+    heads = heads or synthetic_heads()
+    calibration = calibration or Calibration.v11()
+    dev = device_for(device)
+    results = {}
+    for name, request in requests.items():
+        times: dict[str, list[float]] = {}
+        totals = []
+        for run in range(runs + 2):  # two warm-up runs
+            if run < 2:
+                profile_once(request, tokenizer, heads, calibration, dev, {})
+                total_once(request, tokenizer, heads, calibration, dev)
+                continue
+            profile_once(request, tokenizer, heads, calibration, dev, times)
+            totals.append(total_once(request, tokenizer, heads, calibration, dev))
+        row = {stage: 1e3 * statistics.median(times[stage]) for stage in STAGES}
+        row["sum of stages"] = sum(row[stage] for stage in STAGES)
+        row[HOST_TOTAL] = 1e3 * statistics.median(totals)
+        if DEVICE_UPLOAD in times:
+            row[DEVICE_UPLOAD] = 1e3 * statistics.median(times[DEVICE_UPLOAD])
+        results[name] = row
+    return results
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    """Stages down, requests across, median milliseconds."""
+    names = list(results)
+    lines = [
+        "| stage (median ms) | " + " | ".join(names) + " |",
+        "| --- |" + " ---: |" * len(names),
+    ]
+    for stage in (*STAGES, "sum of stages", HOST_TOTAL, DEVICE_UPLOAD):
+        if any(stage not in results[n] for n in names):
+            continue
+        cells = " | ".join(f"{results[n][stage]:.2f}" for n in names)
+        lines.append(f"| {stage} | {cells} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import os
+    import platform
+
+    import torch
+
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch threads {torch.get_num_threads()}, python {platform.python_version()}"
+    )
