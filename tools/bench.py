@@ -318,17 +318,33 @@ def cli_bench(args) -> int:
 
 
 def print_host_profile(runs: int, executor=None, out: str | None = None) -> int:
-    """The per-stage host profile (tools.hostprofile) with the executor's tokenizer, heads,
+    """The per-stage host profile (tools.hoststages) with the executor's tokenizer, heads,
     calibration and device, or the built-in tokenizer and 4b-sized synthetic heads."""
-    from tools import hostprofile
+    from tools import hoststages
 
     kept = {}
     if executor is not None:
         kept = dict(tokenizer=executor.tokenizer, heads=executor.heads)
         kept.update(calibration=executor.calibration, device=str(executor.device))
-    results = hostprofile.profile(runs=runs, **kept)
+    results = hoststages.profile(host_requests(), runs=runs, **kept)
     if out:
         Path(out).write_text(json.dumps({"host_stages_ms": results}, indent=1))
-    print(f"host stages ({hostprofile.machine()}, upload to {kept.get('device', 'default')})")
-    print(hostprofile.table(results))
+    print(f"host stages ({hoststages.machine()}, upload to {kept.get('device', 'default')})")
+    print(hoststages.table(results))
     return 0
+
+
+HOST_WORKLOADS = ("1 question", "12 questions", "255 options")  # issue 13's host profile
+HOST_FORMATS = (("PNG", "image/png"), ("JPEG", "image/jpeg"))
+
+
+def host_requests() -> dict[str, bytes]:
+    """The host profile's requests: the 1600×900 screen still as PNG and JPEG, each workload."""
+    loads = workloads()
+    still = screen_image(*BENCH_SIZE, seed=1)
+    out = {}
+    for fmt, mime in HOST_FORMATS:
+        data = encode(still, fmt)
+        for name in HOST_WORKLOADS:
+            out[f"{fmt} {name}"] = body(data, mime, loads[name])
+    return out
