@@ -3,17 +3,20 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OMNIJEV := $(VENV)/bin/omnijev
-CHECKPOINT ?= artifacts/tiny
-ENGINES ?= artifacts/tiny-engines
+# one artifact layout: `make demo` writes these, and parity, bench and serve read them
+CHECKPOINT ?= artifacts/demo/checkpoint
+ENGINES ?= artifacts/demo/engines
+FUZZ_ARGS ?= --seed 0 --requests 10000
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv test lint demo serve checkpoint engines parity bench profile clean
+.PHONY: venv test lint demo serve checkpoint engines parity bench profile fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[reference,tensorrt-rtx,dev]'
+	@echo "installing the dependencies (about a minute; pip shows each package)"
+	$(VENV)/bin/pip install --progress-bar on --upgrade pip
+	$(VENV)/bin/pip install --progress-bar on -e '.[reference,tensorrt-rtx,dev]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -32,6 +35,10 @@ checkpoint: venv
 
 engines: venv
 	$(OMNIJEV) engines --checkpoint $(CHECKPOINT) --out $(ENGINES)
+
+# the seeded abuse run of issue 14 against a real worker on 127.0.0.1 (minutes; not in `make test`)
+fuzz: venv
+	$(PY) -m tools.fuzz $(FUZZ_ARGS)
 
 demo: venv
 	$(OMNIJEV) demo --host $(HOST) --port $(PORT)

@@ -52,10 +52,12 @@ SETTLED_ROUNDS = 2
 # a body must arrive within this: 12 MiB at 4 Mbit/s takes 25 s; a stalled client gets 408
 BODY_READ_S = 30.0
 # bodies declared larger than this, or sent without a length, are read and parsed in one of
-# UPLOADS slots: a 12 MiB body costs up to 1 s of strict parse and 300 MiB while parsed, so two
-# at once bound both, while a typical request (an image of a few hundred KiB) never waits
+# UPLOADS slots: a 12 MiB body of small values holds the GIL for ~0.25 s in json.loads and takes
+# up to 300 MiB while parsed, so one at a time bounds both, while a typical request (an image
+# of a few hundred KiB) never waits
 LARGE_BODY = 1024 * 1024
-UPLOADS = 2
+UPLOADS = 1
+UPLOAD_WAIT_S = 5.0  # a large body waits this long for its slot, unread, then gets 503 busy
 SMALL_PARSERS = 2  # threads parsing the small bodies, apart from the large ones
 # the Host header must name one of these (a browser page elsewhere cannot reach the worker);
 # OMNIJEV_ALLOWED_HOSTS="a,b" replaces them, "*" allows any
@@ -270,21 +272,24 @@ def is_large(request: Request) -> bool:
 
 
 class Uploads:
-    """The upload slots: large bodies are read and parsed UPLOADS at a time, each in a thread."""
+    """The upload slots: large bodies are read and parsed `slots` at a time, each in a thread;
+    the others wait unread (TCP holds their bytes), up to UPLOAD_WAIT_S."""
 
     def __init__(self, slots: int = UPLOADS) -> None:
-        self.free = slots
+        self.slots = asyncio.Semaphore(slots)
         self.large_pool = ThreadPoolExecutor(slots, thread_name_prefix="omnijev-parse-large")
         self.small_pool = ThreadPoolExecutor(SMALL_PARSERS, thread_name_prefix="omnijev-parse")
 
-    def take(self) -> bool:
-        if self.free == 0:
+    async def take(self, wait_s: float) -> bool:
+        """A slot within `wait_s` seconds, else False."""
+        try:
+            await asyncio.wait_for(self.slots.acquire(), wait_s)
+        except TimeoutError:
             return False
-        self.free -= 1
         return True
 
     def give_back(self) -> None:
-        self.free += 1
+        self.slots.release()
 
     async def parse(self, body: bytes, large: bool) -> dict:
         pool = self.large_pool if large else self.small_pool
@@ -470,6 +475,7 @@ def create_app(
     preparing: int = PREPARING,
     warm_ups: Sequence[dict] = (),
     uploads: int = UPLOADS,
+    upload_wait_s: float = UPLOAD_WAIT_S,
     body_read_s: float = BODY_READ_S,
     allowed_hosts: Sequence[str] | None = None,
     docs: bool | None = None,
@@ -477,10 +483,10 @@ def create_app(
     """The worker's app. It listens at once and warms up in a background thread at startup;
     `warm_ups` are parsed request bodies run after the built-in warm-up request.
 
-    Large bodies are read and parsed `uploads` at a time (503 busy beyond), every body within
-    `body_read_s` (408 after). `allowed_hosts` (default: OMNIJEV_ALLOWED_HOSTS, else the local
-    names) bounds the Host header; `docs` false (default: OMNIJEV_DOCS != "0") removes /docs,
-    /redoc and /openapi.json.
+    Large bodies are read and parsed `uploads` at a time (503 busy after `upload_wait_s` in
+    line), every body within `body_read_s` (408 after). `allowed_hosts` (default:
+    OMNIJEV_ALLOWED_HOSTS, else the local names) bounds the Host header; `docs` false
+    (default: OMNIJEV_DOCS != "0") removes /docs, /redoc and /openapi.json.
 
     Until the warm-up request has run through engine.prepare and engine.execute, `GET /health`
     answers 503 `{"status": "warming up"}` and `POST /v1/systemone` answers 503
@@ -528,11 +534,14 @@ def create_app(
         """Answer the questions about the image (contract.md §2-3)."""
         record: RequestRecord = request.state.record
         large = is_large(request)
-        if large and not slots.take():
+        if large and not await slots.take(upload_wait_s):
             record.admission = "uploads busy"
             metrics.rejections.inc()
+            # uvicorn reads and drops a body of known length after the answer, so that the
+            # client reads the 503; one without a length may never end, so its connection closes
             chunked = not request.headers.get("content-length", "").isdigit()
-            return error(503, "the worker is busy", {**RETRY_AFTER, **close_if(chunked)})
+            close = {"Connection": "close"} if chunked else {}
+            return error(503, "the worker is busy", {**RETRY_AFTER, **close})
         try:
             obj = await read_and_parse(request, record, large)
         finally:
@@ -600,10 +609,6 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
-
-
-def close_if(condition: bool) -> dict[str, str]:
-    return {"Connection": "close"} if condition else {}
 
 
 class ListeningServer(uvicorn.Server):

@@ -191,7 +191,7 @@ def test_a_client_stalled_in_its_body_gets_408_at_the_deadline(
 
 
 def test_large_uploads_take_a_slot_and_small_bodies_pass() -> None:
-    with ThreadServer(RealishEngine(), uploads=1) as server:
+    with ThreadServer(RealishEngine(), uploads=1, upload_wait_s=0.5) as server:
         holder = socket.create_connection(address(server.url))
         try:  # a large upload that stalls half-way holds the only slot
             holder.sendall(
@@ -200,8 +200,10 @@ def test_large_uploads_take_a_slot_and_small_bodies_pass() -> None:
             )
             time.sleep(0.3)
             big = json.dumps({**decision(), "pad": " " * (2 * MiB)}).encode()
+            started = time.monotonic()
             busy = httpx.post(server.url + DECIDE, content=big, headers=JSON_HEADERS)
             assert busy.status_code == 503
+            assert 0.4 < time.monotonic() - started < 5  # it waited in line for the slot
             assert busy.headers["retry-after"] == "1"
             small = httpx.post(server.url + DECIDE, json=decision())
             assert small.status_code == 200
