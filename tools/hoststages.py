@@ -35,6 +35,7 @@ STAGES = (
     "response JSON",
 )
 HOST_TOTAL = "host total"
+HOST_TOTAL_DEVICE = "host total, patches on device"  # prepare(pack=False), where there is one
 # the executor's other way to the vision input (runtime.images.device_pixel_values): not summed
 DEVICE_UPLOAD = "upload uint8 + device patches"
 
@@ -98,7 +99,11 @@ def upload(prepared, work, device) -> None:
     def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype).contiguous()
 
-    tensors = [tensor(prepared.image.pixel_values, torch.bfloat16)]
+    if prepared.image.pixel_values is None:  # prepared with pack=False
+        upload_resized(prepared, device)
+        tensors = []
+    else:
+        tensors = [tensor(prepared.image.pixel_values, torch.bfloat16)]
     passes = [work.prefix, *(q.rows for q in work.questions), *(o.rows for o in work.options)]
     for rows in passes:
         tensors += [tensor(a, torch.int64) for a in rows.arrays().values()]
@@ -200,8 +205,9 @@ def profile_once(body: bytes, tokenizer, heads, calibration, device, times: dict
     clock.lap("response JSON")
 
 
-def total_once(body: bytes, tokenizer, heads, calibration, device) -> float:
-    """The same path end to end with the runtime's own entry points (prepare, plan, respond)."""
+def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = True) -> float:
+    """The same path end to end with the runtime's own entry points (prepare, plan, respond);
+    `pack` False makes the patches on the device from the uploaded uint8 image."""
     from runtime.contract import compile_request
     from runtime.finish import answer_question
     from runtime.passes import plan
@@ -209,7 +215,8 @@ def total_once(body: bytes, tokenizer, heads, calibration, device) -> float:
     from runtime.strict_json import parse_body
 
     started = time.perf_counter()
-    prepared = prepare(compile_request(parse_body(body)), tokenizer)
+    request = compile_request(parse_body(body))
+    prepared = prepare(request, tokenizer, pack=False) if not pack else prepare(request, tokenizer)
     work = plan(prepared)
     upload(prepared, work, device)
     between = time.perf_counter()
@@ -222,6 +229,15 @@ def total_once(body: bytes, tokenizer, heads, calibration, device) -> float:
     response = {"model": "m", "answers": answers, "usage": {"input_tokens": 0}}
     json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     return time.perf_counter() - resumed + between - started
+
+
+def can_unpack() -> bool:
+    """Whether this runtime's `prepare` can leave the patches to the device."""
+    import inspect
+
+    from runtime.processing import prepare
+
+    return "pack" in inspect.signature(prepare).parameters
 
 
 def profile(
@@ -244,6 +260,7 @@ def profile(
     for name, request in requests.items():
         times: dict[str, list[float]] = {}
         totals = []
+        unpacked = []
         for run in range(runs + 2):  # two warm-up runs
             if run < 2:
                 profile_once(request, tokenizer, heads, calibration, dev, {})
@@ -251,9 +268,13 @@ def profile(
                 continue
             profile_once(request, tokenizer, heads, calibration, dev, times)
             totals.append(total_once(request, tokenizer, heads, calibration, dev))
+            if can_unpack():
+                unpacked.append(total_once(request, tokenizer, heads, calibration, dev, False))
         row = {stage: 1e3 * statistics.median(times[stage]) for stage in STAGES}
         row["sum of stages"] = sum(row[stage] for stage in STAGES)
         row[HOST_TOTAL] = 1e3 * statistics.median(totals)
+        if unpacked:
+            row[HOST_TOTAL_DEVICE] = 1e3 * statistics.median(unpacked)
         if DEVICE_UPLOAD in times:
             row[DEVICE_UPLOAD] = 1e3 * statistics.median(times[DEVICE_UPLOAD])
         results[name] = row
@@ -267,7 +288,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
         "| stage (median ms) | " + " | ".join(names) + " |",
         "| --- |" + " ---: |" * len(names),
     ]
-    for stage in (*STAGES, "sum of stages", HOST_TOTAL, DEVICE_UPLOAD):
+    for stage in (*STAGES, "sum of stages", HOST_TOTAL, HOST_TOTAL_DEVICE, DEVICE_UPLOAD):
         if any(stage not in results[n] for n in names):
             continue
         cells = " | ".join(f"{results[n][stage]:.2f}" for n in names)
