@@ -21,7 +21,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="upload target (default: cuda if any)")
     parser.add_argument("--out", default=None, help="write the medians as JSON")
     parser.add_argument("--threads", type=int, default=None, help="PyTorch's CPU threads")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="CPU seconds instead of wall seconds (one PyTorch thread, no tokenizer threads)",
+    )
     args = parser.parse_args(argv)
+    if args.cpu_time:
+        import os
+
+        import torch
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        torch.set_num_threads(1)
+        hoststages.use_cpu_time()
     if args.threads:
         import torch
 
@@ -40,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = hoststages.machine()
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine, "results": results}, indent=1))
-    print(f"host stages ({machine}, upload to {hoststages.device_for(args.device)})")
+    clock = "CPU time" if args.cpu_time else "wall time"
+    print(f"host stages, {clock} ({machine}, upload to {hoststages.device_for(args.device)})")
     print(hoststages.table(results))
     return 0
 
