@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -292,8 +293,10 @@ class Uploads:
         self.slots.release()
 
     async def parse(self, body: bytes, large: bool) -> dict:
+        """Parse in a thread; a large body lets the other threads in while it is parsed."""
         pool = self.large_pool if large else self.small_pool
-        return await asyncio.get_running_loop().run_in_executor(pool, parse_body, body)
+        parse = functools.partial(parse_body, body, interleave=large)
+        return await asyncio.get_running_loop().run_in_executor(pool, parse)
 
     def close(self) -> None:
         self.large_pool.shutdown(wait=True)

@@ -201,3 +201,24 @@ def test_big_numbers_still_take_the_checked_path() -> None:
         "a": 123456789012345678,
         "b": 1e99,
     }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a": [1, -2, 3.5, 1e99, 18446744073709551615, -9223372036854775809], "b": {"c": 0}}',
+        b'{"a": 1e400}',
+        b'{"a": 1, "a": 2}',
+    ],
+)
+def test_the_interleaved_parse_reads_what_the_plain_one_reads(body: bytes) -> None:
+    try:
+        expected: object = parse_body(body)
+    except BodyError as error:
+        expected = str(error)
+    try:
+        interleaved: object = parse_body(body, interleave=True)
+    except BodyError as error:
+        interleaved = str(error)
+    assert interleaved == expected
+    assert type(interleaved) is type(expected)

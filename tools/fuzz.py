@@ -40,6 +40,7 @@ MAX_BODY = 12 * MiB  # contract.md §1.4
 OK_STATUSES = {200, 400, 408, 413, 415, 422, 431, 503}  # never 500, never a reset
 CLIENTS = 8  # concurrent senders of malformed bodies
 GOOD_EVERY = 50  # one good request among this many malformed ones
+PROGRESS_EVERY = 1000  # a progress line every this many malformed bodies
 FLOOD_CLIENTS = 16  # issue 14: 16 clients keep sending 12 MiB bodies
 STALLED = 50  # issue 14: 50 stalled clients
 HEADER_DEADLINE_S = 10.0  # server.protocol.HEADER_READ_S
@@ -383,6 +384,10 @@ class Run:
                             mismatched += answer != self.expected
                     with lock:
                         statuses[status] += 1
+                        done = sum(statuses.values())
+                    if done % PROGRESS_EVERY == 0:
+                        seconds = time.perf_counter() - started
+                        print(f"fuzz: {done} of {len(bodies)} bodies, {seconds:.0f} s", flush=True)
 
         started = time.perf_counter()
         with ThreadPoolExecutor(CLIENTS) as pool:
@@ -647,7 +652,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None, help="a running worker (then --pid for its RSS)")
     parser.add_argument("--pid", type=int, default=None)
     parser.add_argument("--out", default=None, help="also write the report here")
+    parser.add_argument(
+        "--phases",
+        default="raw,malformed,images,valid,flood,stalled,sigterm",
+        help="which phases to run, comma-separated",
+    )
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the worker is stopped too
     process = None
     if args.url is None:
         if not Path(args.engines).is_dir():
@@ -671,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             args.valid,
             args.flood_seconds,
             args.stalled,
+            set(args.phases.split(",")).__contains__,
         )
     finally:
         if process is not None and process.poll() is None:
