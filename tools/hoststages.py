@@ -138,6 +138,7 @@ def upload_resized(prepared, device) -> None:
 
 def profile_once(body: bytes, tokenizer, heads, calibration, device, times: dict) -> None:
     """One request through every host stage, each timed on its own."""
+    from runtime import heads as heads_module
     from runtime import images, processing
     from runtime.contract import compile_request
     from runtime.finish import finish_answer
@@ -204,7 +205,11 @@ def profile_once(body: bytes, tokenizer, heads, calibration, device, times: dict
         clock.lap(DEVICE_UPLOAD)
     readouts = synthetic_readouts(prepared, heads.hidden)
     clock.last = TIMERS["stage"]()  # the readouts stand in for the engines: not host work
-    mus = [question_mu(heads, q.type, r) for q, r in zip(questions, readouts, strict=True)]
+    pairs = list(zip(questions, readouts, strict=True))
+    if hasattr(heads_module, "questions_mu"):  # the heads layer by layer over the questions
+        mus = heads_module.questions_mu(heads, [(q.type, r) for q, r in pairs])
+    else:
+        mus = [question_mu(heads, q.type, r) for q, r in pairs]
     clock.lap("heads")
     answers = {
         q.id: finish_answer(q.type, q.keys, mu, calibration, 0.01, 0.01)
@@ -219,6 +224,7 @@ def profile_once(body: bytes, tokenizer, heads, calibration, device, times: dict
 def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = True) -> float:
     """The same path end to end with the runtime's own entry points (prepare, plan, respond);
     `pack` False makes the patches on the device from the uploaded uint8 image."""
+    from runtime import finish
     from runtime.contract import compile_request
     from runtime.finish import answer_question
     from runtime.passes import plan
@@ -233,10 +239,13 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
     between = TIMERS["total"]()
     readouts = synthetic_readouts(prepared, heads.hidden)
     resumed = TIMERS["total"]()
-    answers = {
-        layout.question.id: answer_question(heads, calibration, layout.question, r, 0.01, 0.01)
-        for layout, r in zip(prepared.layouts, readouts, strict=True)
-    }
+    questions = prepared.questions
+    if hasattr(finish, "answer_questions"):  # as Executor.respond can call it
+        made = finish.answer_questions(heads, calibration, questions, readouts, 0.01, 0.01)
+    else:
+        pairs = zip(questions, readouts, strict=True)
+        made = [answer_question(heads, calibration, q, r, 0.01, 0.01) for q, r in pairs]
+    answers = {q.id: answer for q, answer in zip(questions, made, strict=True)}
     response = {"model": "m", "answers": answers, "usage": {"input_tokens": 0}}
     json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     return TIMERS["total"]() - resumed + between - started

@@ -1,0 +1,75 @@
+"""`questions_mu` and `answer_questions` (the heads layer by layer over a request's questions)
+give `question_mu` and `answer_question`'s bytes and refusals (issue 13: heads and finishing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.errors import ExecutionError
+from runtime.finish import Calibration, answer_question, answer_questions
+from runtime.heads import Heads, head_shapes, question_mu, questions_mu
+from runtime.types import Question, QuestionReadout
+
+TYPES = ("noul", "choice", "score")
+
+
+def random_heads(hidden: int, seed: int = 0) -> Heads:
+    rng = np.random.default_rng(seed)
+    shapes = head_shapes(hidden)
+    return Heads({n: (rng.standard_normal(s) * 0.05).astype(np.float32) for n, s in shapes.items()})
+
+
+def readout(rng: np.random.Generator, hidden: int, options: int) -> QuestionReadout:
+    picked = [-rng.random(int(rng.integers(0, 4))).astype(np.float32) for _ in range(options)]
+    return QuestionReadout(
+        zq=rng.standard_normal(hidden).astype(np.float32),
+        u=rng.standard_normal((options, hidden)).astype(np.float32),
+        picked=picked,
+        first=[None if p.size == 0 else -0.25 for p in picked],
+    )
+
+
+def mixed(rng: np.random.Generator, hidden: int, count: int) -> list[tuple[str, QuestionReadout]]:
+    items = []
+    for i in range(count):
+        kind = TYPES[i % 3]
+        items.append((kind, readout(rng, hidden, 1 if kind == "noul" else int(rng.integers(2, 9)))))
+    return items
+
+
+@pytest.mark.parametrize("hidden", [64, 2560])
+@pytest.mark.parametrize(("ordinal", "lm_feats"), [(True, True), (False, True), (True, False)])
+def test_layer_by_layer_gives_the_same_bytes(hidden, ordinal, lm_feats):
+    heads, rng = random_heads(hidden), np.random.default_rng(hidden)
+    items = mixed(rng, hidden, 12)
+    together = questions_mu(heads, items, ordinal=ordinal, lm_feats=lm_feats)
+    for (kind, r), mu in zip(items, together, strict=True):
+        alone = question_mu(heads, kind, r, ordinal=ordinal, lm_feats=lm_feats)
+        assert mu.dtype == alone.dtype and mu.tobytes() == alone.tobytes()
+
+
+def test_refusals_come_in_question_order():
+    heads, rng = random_heads(64), np.random.default_rng(1)
+    items = mixed(rng, 64, 4)
+    bad = QuestionReadout(np.full(64, np.nan, np.float32), items[2][1].u, [], [])
+    with pytest.raises(ExecutionError, match="invalid head input"):
+        questions_mu(heads, [items[0], ("choice", bad), items[3]])
+    with pytest.raises(ExecutionError, match="invalid head input"):
+        questions_mu(heads, [items[0], ("other", items[1][1])])
+
+
+def test_answer_questions_equals_answer_question():
+    heads, rng = random_heads(64), np.random.default_rng(2)
+    items = mixed(rng, 64, 6)
+    questions = [
+        Question(f"q{i}", kind, "?", keys, keys)
+        for i, (kind, r) in enumerate(items)
+        for keys in [tuple(f"k{j}" for j in range(r.u.shape[0]))]
+    ]
+    readouts = [r for _, r in items]
+    calibration = Calibration.v11()
+    together = answer_questions(heads, calibration, questions, readouts, 0.25, 0.5)
+    pairs = zip(questions, readouts, strict=True)
+    alone = [answer_question(heads, calibration, q, r, 0.25, 0.5) for q, r in pairs]
+    assert together == alone
