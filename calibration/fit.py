@@ -145,13 +145,19 @@ def report_table(report: list[dict]) -> str:
 
 
 def cli_calibrate(args) -> int:
-    """`omnijev calibrate RECORDS.jsonl [--checkpoint DIR]`: fit and report."""
+    """`omnijev calibrate RECORDS.jsonl [--checkpoint DIR] [--plot FILE.png]`: fit and report,
+    and draw the reliability diagram before and after."""
     calibration = Calibration.v11()
     if args.checkpoint:
         from runtime.export_format import load_export
 
         calibration = load_export(Path(args.checkpoint)).calibration
-    fitted, report = fit(read_records(args.records), calibration)
+    records = read_records(args.records)
+    fitted, report = fit(records, calibration)
     print(report_table(report))
     print(json.dumps({"temperatures": fitted.temperatures, "noul_bias": fitted.noul_bias}))
+    if getattr(args, "plot", None):
+        from calibration.plot import draw_reliability
+
+        print(f"reliability diagram: {draw_reliability(records, calibration, fitted, args.plot)}")
     return 0

@@ -34,6 +34,7 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "calibrate":
         parser.add_argument("records", help="JSON lines of {type, mu, label}")
         parser.add_argument("--checkpoint", default=None, help="start from this export's values")
+        parser.add_argument("--plot", metavar="FILE.png", help="draw the reliability diagram")
     if name == "checkpoint":
         parser.add_argument("--preset", choices=("tiny", "4b"), default="tiny")
         parser.add_argument("--seed", type=int, default=0)
