@@ -3,7 +3,8 @@ runtime loads (docs/design.md; engines.md §2-§4, §8, §11).
 
 Layout: `onnx_ort/` (fused GDN, standard-op readout: what ONNX Runtime runs), `onnx_trt/`
 (standard-op GDN; the plugin readout where the library can load it), `plans/`, `timing_cache.bin`
-with its `.sha256`, and the manifest `engines.json`.
+with its `.sha256`, `torch/` (the torch backend's Inductor and Triton caches, when prepared on a
+GPU) and the manifest `engines.json`.
 """
 
 from __future__ import annotations
@@ -277,3 +278,70 @@ def cli_engines(args) -> int:
     for line in summary(manifests.read_manifest(engine_dir)):
         print(line)
     return 0
+
+
+# -- the torch backend's compiler caches -------------------------------------------------------
+
+
+def tree_digest(folder: Path) -> tuple[str, int]:
+    """sha256 over every file's relative path and contents, in path order; the file count."""
+    digest, count = hashlib.sha256(), 0
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+        count += 1
+    return digest.hexdigest(), count
+
+
+def build_torch_artifacts(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    warm_up: list[bytes] | None = None,
+    question_rows: int | None = None,
+) -> dict:
+    """Fills `torch/` with the compiler caches of the torch backend's passes (the worker's
+    warm-up request and `warm_up` request bodies: their shapes are compiled and captured) and
+    records them in `engines.json` with the versions of torch, Triton and fla-core they were
+    made with; the backend refuses them under other versions. Needs the GPU they are for."""
+    import json as json_module
+
+    from runtime.backends import compiled
+    from runtime.config import RuntimeConfig
+    from runtime.executor import load_engine
+    from runtime.passes import QUESTION_ROWS
+
+    started = time.perf_counter()
+    engine_dir = Path(out_dir)
+    folder = engine_dir / compiled.TORCH_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    compiled.use_caches(folder)
+    path = engine_dir / MANIFEST
+    manifest = json.loads(path.read_text("utf-8")) if path.is_file() else {}
+    manifest.pop("torch", None)  # no stale record while the caches are rewritten
+    manifest.setdefault("format", FORMAT)
+    manifest.setdefault("dtype", dtype)
+    manifest.setdefault("checkpoint", checkpoint_record(Path(checkpoint_dir)))
+    write_manifest(engine_dir, manifest)
+    config = RuntimeConfig.from_env(backend="torch", question_batch=question_rows or QUESTION_ROWS)
+    executor = load_engine(str(checkpoint_dir), str(engine_dir), config)
+    executor.answer(json_module.dumps(executor.warm_up_request()).encode())
+    for body in warm_up or []:
+        executor.answer(body)
+    digest, count = tree_digest(folder)
+    manifest["torch"] = {
+        "dir": compiled.TORCH_DIR,
+        "versions": compiled.versions(),
+        "device": torch_device_name(),
+        "sha256": digest,
+        "files": count,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    write_manifest(engine_dir, manifest)
+    return manifest["torch"]
+
+
+def torch_device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

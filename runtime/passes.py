@@ -2,8 +2,8 @@
 
 Follows the prefix-reuse executor of the native worker (model.md §12.1) with one change: the
 splits are fixed points of each question's own sequence, never the reference's cross-question
-prefix `L`, and a question's passes hold only its own rows, so an answer cannot depend on the
-other questions (docs/design.md).
+prefix `L`, and every pass has a fixed row count per length bucket, so the shape a question runs
+in, and its rows' contents, never depend on the other questions (docs/design.md).
 """
 
 from __future__ import annotations
@@ -12,22 +12,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.config import QUESTION_BATCH
 from runtime.constants import VISION_END_ID as VISION_END
 from runtime.types import Prepared, QuestionLayout
 
 PREFIX_STEP = 64  # image-prefix length bucket: one CUDA graph per 64 tokens of prefix
-TEXT_STEP = 16  # question-text and option length bucket
-# One question per question pass, and its options in passes of their own: every pass a question
-# uses then has the same shape and contents whatever else the request asks. Batching questions
-# together moved a question's answer by up to 0.055 on the H200 in bfloat16 (4b, 20 questions
-# asked alone and together): the GPU's kernels follow the batch shape, and bfloat16 carries
-# their rounding into the answer. On the CPU and in float32 the batched answers happened to agree.
-# With this plan the same 20 questions gave the same bytes alone, together and reversed (4b, BF16,
-# H200, docs/measurements/h200-2026-11-30b).
-# RuntimeConfig.question_batch (up to 16) batches that many questions a pass instead: fewer
-# passes, answers no longer invariant on the GPU in bfloat16.
-OPTION_BATCH = 64  # option rows per pass, at most (the reference's chunk, model.md §8.4)
+TEXT_STEP = 16  # question-text length bucket (bench questions are 11-17 tokens)
+OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-20)
+# Questions share passes of a FIXED row count per length bucket, padding rows filling the rest,
+# and options likewise: the shape a question runs in is then a function of its own lengths only,
+# and a row's outputs in a fixed-shape pass were byte-identical on the H200 whatever the other
+# rows held and wherever the row sat (4b, BF16, eager and compiled; issue 12). Batches whose
+# size followed the number of questions moved answers by up to 0.055 in BF16 (the kernels
+# follow the batch shape; docs/measurements/h200-2026-11-30b). RuntimeConfig.question_batch is
+# the question passes' row count (QUESTION_ROWS where the caller has none).
+QUESTION_ROWS = 16  # the 12 speed-bench questions fit one pass; weight-bound, rows are cheap
+OPTION_ROWS = 64  # the reference's option chunk (model.md §8.4): 255 options in 4 passes
+OPTION_BATCH = OPTION_ROWS  # the name the split-pass code and older tests use
 
 
 def bucket(n: int, step: int) -> int:
@@ -164,16 +164,17 @@ def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
     return ids, np.broadcast_to(base + np.arange(len(ids)), (3, len(ids))).astype(np.int64)
 
 
-def plan_questions(prepared: Prepared, start: int, batch: int) -> list[QuestionPass]:
+def plan_questions(prepared: Prepared, start: int, rows: int) -> list[QuestionPass]:
+    """Question texts by length bucket, `rows` rows a pass whatever the count asked."""
     spans = [question_span(layout, start) for layout in prepared.layouts]
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
         groups.setdefault(bucket(len(ids), TEXT_STEP), []).append(qi)
     passes = []
     for length, members in sorted(groups.items()):
-        for chunk_start in range(0, len(members), batch):
-            chunk = members[chunk_start : chunk_start + batch]
-            p = empty_pass(batch_bucket(len(chunk), batch), length)
+        for chunk_start in range(0, len(members), rows):
+            chunk = members[chunk_start : chunk_start + rows]
+            p = empty_pass(rows, length)
             qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
             for row, qi in enumerate(chunk):
                 ids, positions = spans[qi]
@@ -192,6 +193,8 @@ def plan_questions(prepared: Prepared, start: int, batch: int) -> list[QuestionP
 
 
 def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> list[OptionPass]:
+    """The options of one question pass's questions by length bucket, OPTION_ROWS rows a pass,
+    each row continuing its question's row."""
     passes = []
     for pi, qp in enumerate(question_passes):
         groups: dict[int, list[tuple[int, int, int]]] = {}
@@ -199,11 +202,11 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
             layout = prepared.layouts[qi]
             for k in range(len(layout.opens)):
                 n = layout.closes[k] - layout.opens[k] + 1
-                groups.setdefault(bucket(n, TEXT_STEP), []).append((qi, k, source))
+                groups.setdefault(bucket(n, OPTION_STEP), []).append((qi, k, source))
         for length, rows in sorted(groups.items()):
-            for chunk_start in range(0, len(rows), OPTION_BATCH):
-                chunk = rows[chunk_start : chunk_start + OPTION_BATCH]
-                p = empty_pass(batch_bucket(len(chunk), OPTION_BATCH), length)
+            for chunk_start in range(0, len(rows), OPTION_ROWS):
+                chunk = rows[chunk_start : chunk_start + OPTION_ROWS]
+                p = empty_pass(OPTION_ROWS, length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
                 for row, (qi, k, source) in enumerate(chunk):
                     layout = prepared.layouts[qi]
@@ -222,8 +225,9 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
     return passes
 
 
-def plan(prepared: Prepared, question_batch: int = QUESTION_BATCH) -> Plan:
-    """The passes of a request; `question_batch` questions share a question pass."""
+def plan(prepared: Prepared, question_rows: int = QUESTION_ROWS) -> Plan:
+    """The passes of a request; question passes have `question_rows` rows, option passes
+    OPTION_ROWS, whatever the request asks."""
     prefix, n = plan_prefix(prepared)
-    questions = plan_questions(prepared, n, question_batch)
+    questions = plan_questions(prepared, n, question_rows)
     return Plan(prefix, n, questions, plan_options(prepared, questions))

@@ -1,17 +1,17 @@
-"""The pass plan: a question's passes are the same, row for row, whether it is asked alone or
-with other questions in any order; this is what makes answers invariant on the GPU, where the
-kernels follow the batch shape."""
+"""The pass plan: every pass has a fixed row count per length bucket, so a question's rows run in
+passes of the same shapes, with the same contents, whether it is asked alone or with other
+questions in any order; this is what makes answers invariant on the GPU, where the kernels
+follow the batch shape (a row's outputs in a fixed-shape pass do not depend on the other rows)."""
 
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from runtime.contract import compile_request
-from runtime.passes import plan
+from runtime.passes import OPTION_ROWS, QUESTION_ROWS, plan
 from runtime.processing import prepare
 from runtime.strict_json import parse_body
 from runtime.tokenizer import load_tokenizer
@@ -25,44 +25,66 @@ def tokenizer():
     return load_tokenizer(None)
 
 
-def planned(tokenizer, questions: dict, question_batch: int = 1) -> tuple:
+def planned(tokenizer, questions: dict, rows: int = QUESTION_ROWS) -> tuple:
     request = compile_request(parse_body(request_body(IMAGE, questions)))
     prepared = prepare(request, tokenizer)
-    return prepared, plan(prepared, question_batch)
+    return prepared, plan(prepared, rows)
 
 
-def passes_of(prepared, work, qid: str) -> list[dict]:
-    """Every pass that holds a row of question `qid`, with its arrays and readouts."""
+def row_of(p, row: int) -> dict:
+    """One row of a pass: its tokens, positions and length, and the shape it runs in."""
+    return {
+        "shape": p.shape,
+        "input_ids": p.input_ids[row].tolist(),
+        "positions": p.positions[:, row].tolist(),
+        "length": int(p.lengths[row]),
+    }
+
+
+def rows_of(prepared, work, qid: str) -> list[dict]:
+    """Every row question `qid` owns (its text, then its options in order), with the shape of
+    its pass and, for option rows, the shape of the question pass whose state it continues."""
     qi = [layout.question.id for layout in prepared.layouts].index(qid)
     found = []
     for qp in work.questions:
         if qi in qp.members:
-            assert qp.members == [qi], "a question pass holds one question"
-            found.append(qp.rows.arrays())
+            found.append(row_of(qp.rows, qp.members.index(qi)))
+    options = {}
     for op in work.options:
-        owners = {member[0] for member in op.members}
-        if qi in owners:
-            assert owners == {qi}, "an option pass holds one question's options"
-            found.append(op.rows.arrays())
-    return found
+        for row, (owner, k) in enumerate(op.members):
+            if owner == qi:
+                entry = row_of(op.rows, row)
+                entry["source_shape"] = work.questions[op.question_pass].rows.shape
+                options[k] = entry
+    return found + [options[k] for k in sorted(options)]
 
 
-def same(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
-        for x, y in zip(a, b, strict=True)
-    )
+def test_every_pass_has_the_fixed_row_count(tokenizer):
+    prepared, work = planned(tokenizer, QUESTIONS)
+    assert {qp.rows.shape[0] for qp in work.questions} == {QUESTION_ROWS}
+    assert {op.rows.shape[0] for op in work.options} == {OPTION_ROWS}
+    assert len(work.questions) < len(QUESTIONS)  # questions share passes
+    _, alone = planned(tokenizer, {"q0": QUESTIONS["q0"]})
+    assert [qp.rows.shape[0] for qp in alone.questions] == [QUESTION_ROWS]
 
 
-def test_a_question_gets_the_same_passes_alone_and_together(tokenizer):
+def test_a_questions_rows_are_the_same_alone_and_together(tokenizer):
     prepared, work = planned(tokenizer, QUESTIONS)
     backwards, work_backwards = planned(tokenizer, dict(reversed(list(QUESTIONS.items()))))
     for qid, question in QUESTIONS.items():
         alone, work_alone = planned(tokenizer, {qid: question})
-        expected = passes_of(alone, work_alone, qid)
-        assert expected, qid
-        assert same(passes_of(prepared, work, qid), expected), qid
-        assert same(passes_of(backwards, work_backwards, qid), expected), qid
+        expected = rows_of(alone, work_alone, qid)
+        assert len(expected) == 1 + len(alone.layouts[0].opens), qid
+        assert rows_of(prepared, work, qid) == expected, qid
+        assert rows_of(backwards, work_backwards, qid) == expected, qid
+
+
+def test_option_rows_continue_their_own_questions_row(tokenizer):
+    prepared, work = planned(tokenizer, QUESTIONS)
+    for op in work.options:
+        members = work.questions[op.question_pass].members
+        for row, (qi, _) in enumerate(op.members):
+            assert members[op.rows.src[row]] == qi
 
 
 def test_the_image_prefix_pass_is_shared(tokenizer):
@@ -73,11 +95,8 @@ def test_the_image_prefix_pass_is_shared(tokenizer):
     )
 
 
-def test_question_batching_is_opt_in(tokenizer):
-    """RuntimeConfig.question_batch trades the invariance above for fewer passes."""
-    prepared, work = planned(tokenizer, QUESTIONS)
-    _, batched = planned(tokenizer, QUESTIONS, question_batch=16)
+def test_one_row_question_passes_keep_one_question_a_pass(tokenizer):
+    """RuntimeConfig.question_batch = 1: the plan before batching, still fixed-shape."""
+    prepared, work = planned(tokenizer, QUESTIONS, rows=1)
     assert len(work.questions) == len(QUESTIONS)
-    assert len(batched.questions) < len(work.questions)
-    assert max(len(qp.members) for qp in batched.questions) > 1
-    assert len(batched.options) < len(work.options)
+    assert all(len(qp.members) == 1 for qp in work.questions)

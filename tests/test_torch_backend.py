@@ -24,9 +24,13 @@ def engines(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def executor(engines):
+    from runtime.config import RuntimeConfig
     from runtime.executor import load_engine
+    from runtime.passes import QUESTION_ROWS
 
-    return load_engine(str(engines[0]), str(engines[1]), "torch")
+    # questions batched in fixed-row passes, as on the GPU
+    config = RuntimeConfig.from_env(backend="torch", question_batch=QUESTION_ROWS)
+    return load_engine(str(engines[0]), str(engines[1]), config)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,451 @@
+"""The torch backend on the H200 in one call per measurement (issue 12): build the 4b export, then
+time, check and profile through the library (runtime.executor, tools.bench, build_engines).
+
+    python scripts/gpu_torch.py dev        # build; kernel crossover; latency; invariance; profile
+    python scripts/gpu_torch.py final      # build; artifacts; latency; invariance; memory;
+                                           # profile; cold start with/without caches; parity
+    python scripts/gpu_torch.py coldstart ENGINES   # (run by final) one process start to ready
+
+Results go to $OUT (JSON and Markdown); large artifacts to /tmp/omnijev, which survives between
+calls only while the machine stays warm. Every setting is an explicit RuntimeConfig.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORK = Path("/tmp/omnijev")
+# `--tiny`: the tiny preset in float32 on the CPU, to try the script without a GPU
+TINY = "--tiny" in sys.argv
+PRESET = "tiny" if TINY else "4b"
+OUT = Path(os.environ.get("OUT", "/tmp/omnijev-out"))
+RUNS = 20  # the issue's warm runs per workload
+REFERENCE_RUNS = 10  # the reference with fla-core, per workload
+TARGETS_MS = {"1 question": 25, "12 questions": 35, "32 options": 30, "255 options": 50}
+# (rows, tokens) of the Gated DeltaNet passes the plan makes: question passes 16 × 16/32,
+# option passes 64 × 8/24, the prefix 1 × 640
+CROSSOVER = [(16, 8), (16, 16), (16, 32), (64, 8), (64, 16), (64, 24), (1, 64), (1, 640)]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration measured: which engine, in which dtype, compiled or not."""
+
+    name: str
+    dtype: str = "float32" if TINY else "bfloat16"
+    compile: bool = True
+    graphs: bool = True
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def save(name: str, value) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    text = value if isinstance(value, str) else json.dumps(value, indent=1, default=str)
+    (OUT / name).write_text(text)
+
+
+def environment() -> dict:
+    import torch
+
+    from runtime.backends.compiled import versions
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return {"gpu": gpu, "versions": versions()}
+
+
+def build() -> dict:
+    """The 4b synthetic export, written on this machine (the release beside it is dropped)."""
+    from build_engines.checkpoints import make_checkpoint, release_path
+
+    export = WORK / f"{PRESET}-export"
+    if export.exists():
+        return {"checkpoint_s": 0.0}
+    started = time.perf_counter()
+    make_checkpoint(PRESET, 0, export)
+    shutil.rmtree(release_path(export), ignore_errors=True)
+    seconds = time.perf_counter() - started
+    log(f"{PRESET} export in {seconds:.1f} s")
+    return {"checkpoint_s": seconds}
+
+
+def engine_dir(run: Run) -> Path:
+    """An engine directory naming the dtype (the torch backend needs no ONNX files)."""
+    folder = WORK / f"engines-{PRESET}-{run.name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = folder / "engines.json"
+    if not manifest.exists():
+        manifest.write_text(json.dumps({"dtype": run.dtype}))
+    return folder
+
+
+def executor_for(run: Run, engines: Path | None = None):
+    from runtime.backends import compiled
+    from runtime.config import RuntimeConfig
+    from runtime.executor import Executor
+    from runtime.passes import QUESTION_ROWS
+
+    config = RuntimeConfig(
+        backend="torch", prefix_cache=0, question_batch=QUESTION_ROWS, cuda_graphs=run.graphs
+    )
+    engines = engines or engine_dir(run)
+    executor = Executor(WORK / f"{PRESET}-export", engines, config)
+    if not run.compile:  # the same modules, eager between the graph captures
+        backend = executor.backend
+        backend.compiled = False
+        backend.functions = compiled.TorchBackend.make_functions(backend)
+    return executor
+
+
+# -- measurements ----------------------------------------------------------------------------
+
+
+def crossover() -> list[dict]:
+    """fla's fused recurrent against its chunked kernel on the 4b Gated DeltaNet shapes (BF16,
+    CUDA-graph replays): which is faster for each pass shape the plan makes."""
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from triton.testing import do_bench
+
+    rows = []
+    heads, value_heads, dim = 16, 32, 128
+    for b, t in CROSSOVER:
+        q = torch.randn(b, t, heads, dim, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn(b, t, value_heads, dim, device="cuda").bfloat16()
+        g = -torch.rand(b, t, value_heads, device="cuda")
+        beta = torch.rand(b, t, value_heads, device="cuda")
+        state = torch.randn(b, value_heads, dim, dim, device="cuda")
+        row = {"rows": b, "tokens": t}
+        for name, kernel in (
+            ("recurrent", fused_recurrent_gated_delta_rule),
+            ("chunk", chunk_gated_delta_rule),
+        ):
+            args = (q, k, v)
+            options = dict(g=g, beta=beta, scale=dim**-0.5, initial_state=state)
+            call = partial(
+                kernel, *args, **options, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+            row[f"{name}_ms"] = do_bench(call, warmup=25, rep=100, return_mode="median")
+        rows.append(row)
+        log(f"crossover {row}")
+    return rows
+
+
+def prepared_workloads(executor) -> dict:
+    from tools import bench
+
+    image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
+    return {
+        name: (body := bench.body(image, "image/png", qs), executor.prepare(json.loads(body)))
+        for name, qs in bench.workloads().items()
+    }
+
+
+def gpu_stages(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
+    """Prepared inputs to readouts on the host: vision, prefix, questions, options, readouts."""
+
+    from tools.bench import quantile
+
+    rows = []
+    for name, (_, prepared) in workloads.items():
+        for _ in range(3):  # compile, capture, then one replay
+            executor.readouts(prepared)
+        times, stages = [], {}
+        for _ in range(runs):
+            sync()
+            started = time.perf_counter()
+            executor.readouts(prepared)
+            times.append(time.perf_counter() - started)
+            for stage, seconds in executor.stages.items():
+                stages.setdefault(stage, []).append(seconds)
+        row = {
+            "workload": name,
+            "median_ms": 1e3 * statistics.median(times),
+            "p90_ms": 1e3 * quantile(times, 0.9),
+            "stages_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in stages.items()},
+        }
+        if name in TARGETS_MS:
+            row["target_ms"] = TARGETS_MS[name]
+        rows.append(row)
+        log(f"gpu stages {row}")
+    return rows
+
+
+def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
+    """Request JSON to response (host stages included), the executor's own stage clock."""
+    from tools import bench
+
+    rows = []
+    for name, (body, _) in workloads.items():
+        times = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
+        rows.append(
+            {
+                "workload": name,
+                "median_ms": 1e3 * statistics.median(times),
+                "p90_ms": 1e3 * bench.quantile(times, 0.9),
+                "stages_ms": {k: round(1e3 * v, 2) for k, v in executor.stages.items()},
+            }
+        )
+        log(f"request {rows[-1]}")
+    return rows
+
+
+def invariance(executor) -> dict:
+    """The 12 speed-bench and 8 gate questions alone, together, reversed and repeated: the same
+    bytes; where not, the largest difference of any value."""
+    from reference.questions import gate_questions, request_body, speed_bench_questions
+    from tools import bench
+
+    image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
+    questions = {**speed_bench_questions(12), **gate_questions()}
+
+    def answers(qs: dict) -> dict:
+        return bench.without_latency(executor.answer(request_body(image, qs, "image/png")))
+
+    together = answers(questions)
+    backwards = answers(dict(reversed(list(questions.items()))))
+    repeated = answers(questions)
+    alone = {q: answers({q: questions[q]})[q] for q in questions}
+
+    def differing(other: dict) -> dict:
+        return {
+            q: bench.largest_difference(together[q], other[q])
+            for q in questions
+            if json.dumps(other[q]) != json.dumps(together[q])
+        }
+
+    result = {
+        "questions": len(questions),
+        "alone_differs": differing(alone),
+        "reversed_differs": differing(backwards),
+        "repeated_differs": differing(repeated),
+    }
+    result["identical"] = not any(result[k] for k in result if k.endswith("differs"))
+    log(f"invariance {result}")
+    return result
+
+
+def peak_memory(executor, workloads: dict) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    body, _ = workloads["255 options"]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    executor.answer(body)
+    torch.cuda.synchronize()
+    gib = 1 << 30
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "max_allocated_gib": torch.cuda.max_memory_allocated() / gib,
+        "max_reserved_gib": torch.cuda.max_memory_reserved() / gib,
+        "device_used_gib": (total - free) / gib,
+    }
+
+
+def profile(executor, workloads: dict, names=("1 question", "255 options")) -> dict:
+    """CUDA time per kernel over one warm GPU-stage run of each workload (PyTorch profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    tables = {}
+    for name in names:
+        _, prepared = workloads[name]
+        executor.readouts(prepared)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            executor.readouts(prepared)
+        averages = prof.key_averages()
+        tables[name] = averages.table(
+            sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+        )
+        kernels = [e for e in averages if e.device_type.name == "CUDA"]
+        total = sum(e.device_time_total for e in kernels) / 1e3
+        tables[f"{name} cuda_ms"] = round(total, 2)
+        log(f"profile {name}: {total:.1f} ms of kernels")
+    return tables
+
+
+def parity_float32() -> dict:
+    """Float32 engine (eager modules + CUDA graphs) against the float32 reference: 80 answers."""
+    import gc
+
+    import torch
+
+    from reference.mso1 import Reference
+    from tools import bench
+
+    run = Run("float32", dtype="float32", compile=False)
+    executor = executor_for(run)
+    reference = Reference(WORK / f"{PRESET}-export", dtype="float32", device="cuda")
+    report = bench.parity(executor, reference, bench.question_sets())
+    log("parity float32\n" + bench.parity_table(report))
+    del executor, reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"summary": report["summary"], "flips": report["flips"], "backend": run}
+
+
+def reference_latency(workloads: dict) -> list[dict]:
+    """The PyTorch reference in BF16 with fla-core importable (transformers then takes its
+    Gated DeltaNet kernels), request JSON to response."""
+    import gc
+
+    import torch
+
+    from reference.mso1 import Reference
+    from tools import bench
+
+    reference = Reference(WORK / f"{PRESET}-export", dtype="bfloat16", device="cuda")
+    rows = []
+    for name, (body, _) in workloads.items():
+        times = bench.time_runs(reference.answer, body, REFERENCE_RUNS)
+        rows.append({"workload": name, "median_ms": 1e3 * statistics.median(times)})
+        log(f"reference {rows[-1]}")
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def cold_start(engines: Path) -> dict:
+    """Process start to ready (weights loaded, warm-up requests answered and their shapes
+    compiled and captured) in a new process: first with the engine directory's caches emptied,
+    then again with the caches the first one left."""
+    result = {}
+    for label in ("without_caches", "with_caches"):
+        if label == "without_caches":
+            shutil.rmtree(engines / "torch", ignore_errors=True)
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-u", __file__, "coldstart", str(engines)],
+            capture_output=True,
+            text=True,
+        )
+        result[label] = {
+            "seconds": time.perf_counter() - started,
+            "exit": done.returncode,
+            "inner": done.stdout.strip().splitlines()[-1:] if done.stdout else [],
+            "stderr_tail": done.stderr[-1500:] if done.returncode else "",
+        }
+        log(f"cold start {label}: {result[label]['seconds']:.1f} s (exit {done.returncode})")
+    return result
+
+
+def coldstart(engines: str) -> None:
+    """One process: the torch artifacts of `engines` (made now when missing), load, warm-up."""
+    started = time.perf_counter()
+    from build_engines.engines import build_torch_artifacts
+    from tools import bench
+
+    image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
+    warm = [bench.body(image, "image/png", qs) for qs in bench.workloads().values()]
+    record = build_torch_artifacts(WORK / f"{PRESET}-export", engines, "bfloat16", warm)
+    print(json.dumps({"ready_s": time.perf_counter() - started, "artifacts": record}))
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+
+def latency_table(rows: list[dict], reference: list[dict] | None = None) -> str:
+    stages = ("vision", "prefix", "questions", "options", "prepare", "heads")
+    ref = {r["workload"]: r["median_ms"] for r in reference or []}
+    lines = [
+        "| workload | median ms | p90 ms | target ms | reference ms | " + " | ".join(stages) + " |",
+        "| --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(stages),
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r['stages_ms'].get(s, 0.0):.1f}" for s in stages)
+        target = r.get("target_ms", "-")
+        theirs = f"{ref[r['workload']]:.1f}" if r["workload"] in ref else "-"
+        lines.append(
+            f"| {r['workload']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {target} | "
+            f"{theirs} | {cells} |"
+        )
+    return "\n".join(lines)
+
+
+def attempt(report: dict, key: str, step, *args):
+    """Runs one step; a failure is recorded and the next steps still run."""
+    try:
+        report[key] = step(*args)
+    except Exception as error:  # one failed step must not cost the call's other results
+        report[key] = {"error": repr(error), "trace": traceback.format_exc()[-3000:]}
+        log(f"{key} failed: {error!r}")
+    save("report.json", report)
+    return report[key]
+
+
+def session(final: bool) -> None:
+    import torch
+
+    report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
+    attempt(report, "build", build)
+    if not final and not TINY:
+        attempt(report, "crossover", crossover)
+    run = Run("bf16")
+    engines = engine_dir(run)
+    if final:
+        attempt(report, "cold_start", cold_start, engines)
+    started = time.perf_counter()
+    executor = attempt(report, "load", executor_for, run, engines)
+    report["load_s"] = time.perf_counter() - started
+    if isinstance(executor, dict):
+        return
+    report["backend"] = executor.backend.name
+    workloads = prepared_workloads(executor)
+    attempt(report, "gpu_stages", gpu_stages, executor, workloads)
+    report["warm_stats"] = executor.backend.stats()
+    attempt(report, "invariance", invariance, executor)
+    attempt(report, "requests", whole_requests, executor, workloads)
+    attempt(report, "peak_memory", peak_memory, executor, workloads)
+    report["profile"] = attempt(report, "profile", profile, executor, workloads)
+    report["stats"] = executor.backend.stats()
+    if final:
+        del executor
+        torch.cuda.empty_cache()
+        attempt(report, "reference_fla", reference_latency, workloads)
+        attempt(report, "parity_float32", parity_float32)
+    profile_text = report.pop("profile", {})
+    save("profile.txt", "\n\n".join(f"## {k}\n{v}" for k, v in profile_text.items()))
+    save("report.json", report)
+    summary = [f"backend {report.get('backend')}, load {report.get('load_s', 0):.1f} s"]
+    if isinstance(report.get("gpu_stages"), list):
+        summary += ["GPU stages", latency_table(report["gpu_stages"])]
+    if isinstance(report.get("requests"), list):
+        reference = report.get("reference_fla")
+        summary += ["whole request", latency_table(report["requests"], reference)]
+    for key in ("crossover", "invariance", "peak_memory", "cold_start", "parity_float32"):
+        if key in report:
+            summary.append(f"{key}: {json.dumps(report[key], default=str)[:1500]}")
+    save("summary.md", "\n\n".join(summary))
+    print("\n\n".join(summary))
+
+
+if __name__ == "__main__":
+    mode = next((a for a in sys.argv[1:] if not a.startswith("--")), "dev")
+    if mode == "coldstart":
+        coldstart(sys.argv[2])
+    else:
+        session(final=mode == "final")
