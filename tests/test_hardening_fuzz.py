@@ -1,0 +1,45 @@
+"""The short version of `make fuzz` (tools/fuzz.py) in the default test run: seeded malformed
+bodies with good requests among them, HTTP-level abuse, hostile images and a short flood of
+12 MiB bodies against a worker process on 127.0.0.1; no 500, no reset, the same answer after."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.server_helpers import SubprocessServer
+from tools import fuzz
+
+SEED = 14
+MALFORMED = 300
+FLOOD_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[SubprocessServer]:
+    with SubprocessServer() as server:
+        yield server
+
+
+def test_a_short_abuse_run_gets_no_500_and_the_same_answer_after(
+    worker: SubprocessServer,
+) -> None:
+    run = fuzz.Run(worker.url, worker.process.pid, SEED)
+    run.baseline(5)
+    run.raw()
+    run.malformed(MALFORMED)
+    run.images()
+    run.flood(FLOOD_S)
+    run.after()
+    latency = [f for f in run.failures if "p90" in f]  # timing on a shared CI machine: reported
+    assert [f for f in run.failures if f not in latency] == []
+    report = run.report
+    assert report["same_bytes_after"] is True
+    assert report["malformed"]["requests"] > MALFORMED
+    assert 500 not in report["malformed"]["statuses"]
+    assert report["malformed"]["good_requests_differing"] == 0
+    assert report["http_level"]["200 KB header"] == 431
+    assert all(status in (200, 422) for status, _ in report["hostile_images"].values())
+    assert report["flood"]["good_requests"] > 0
+    assert worker.process.poll() is None
