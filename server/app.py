@@ -550,7 +550,8 @@ def create_app(
         finally:
             if large:
                 slots.give_back()
-                asyncio.get_running_loop().run_in_executor(slots.large_pool, memory.trim)
+                with contextlib.suppress(RuntimeError):  # the pool is shut down at exit
+                    asyncio.get_running_loop().run_in_executor(slots.large_pool, memory.trim)
         if isinstance(obj, Response):
             return obj
         if worker.state == "warm-up failed":
