@@ -6,6 +6,7 @@ Follows the reference's `MSO1._prompt`, `_encode_many`, `rows_from_ids`/`_marks`
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -42,6 +43,13 @@ TEMPLATES = 4  # tokenizers whose templates are kept (one a checkpoint, tests lo
 # (the server prepares two requests at once), the rest waits. Pillow, PyTorch's resize and
 # NumPy release the GIL for their work, so the decode runs while this thread tokenizes.
 IMAGE_THREADS = 2
+# HF tokenizers' batch encode releases the GIL, but its thread pool waits for cores that
+# PyTorch's threads hold: 47 texts of 12 questions took 0.15 ms alone and 4.7 ms (p90) beside a
+# busy PyTorch thread on the 2-core CI machine; with the pool off, 0.24 ms either way, and
+# `encode` one by one holds the GIL throughout. The variable is read at each call; an operator's
+# own setting stays.
+TOKENIZER_POOL = ("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault(*TOKENIZER_POOL)
 
 PLACEHOLDER_ERROR = "image placeholders must be one contiguous span matching the grid"
 MARKER_ERROR = "every option needs one opening and one closing marker, in order"
@@ -58,16 +66,22 @@ def render_prompt(question: Question) -> str:
 def encode_prompts(
     prompts: Sequence[str], tokenizer: Tokenizer, image_tokens: int
 ) -> list[list[int]]:
-    """Expanded ids of each prompt: its two text parts around `<|image_pad|>`, one batch encode."""
+    """Expanded ids of each prompt: its two text parts around `<|image_pad|>`, encoded."""
     parts = []
     for prompt in prompts:
         pieces = prompt.split(IMAGE_PAD)
         if len(pieces) != 2:
             raise ContractError(PLACEHOLDER_ERROR)
         parts += pieces
-    encodings = tokenizer.encode_batch(parts, add_special_tokens=False)
+    encodings = encode_each(tokenizer, parts)
     run = [IMAGE_PAD_ID] * image_tokens
     return [encodings[i].ids + run + encodings[i + 1].ids for i in range(0, len(parts), 2)]
+
+
+def encode_each(tokenizer: Tokenizer, texts: Sequence[str]) -> list:
+    """Each text's encoding: one batch call, which releases the GIL (`tokenizer.encode` holds it);
+    the tokenizer's own thread pool is off (`TOKENIZER_POOL`)."""
+    return tokenizer.encode_batch(list(texts), add_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -128,13 +142,13 @@ def splittable(questions: Sequence[Question]) -> bool:
 def split_ids(
     questions: Sequence[Question], tokenizer: Tokenizer, made: Template, image_tokens: int
 ) -> list[list[int]]:
-    """Each question's expanded ids from the template's ids and one batch encode of the
-    request's texts: the same ids as encoding each rendered prompt (`make_template`)."""
+    """Each question's expanded ids from the template's ids and the request's texts, encoded
+    alone: the same ids as encoding each rendered prompt (`make_template`)."""
     texts = []
     for question in questions:
         texts.append(question.instructions.rstrip())
         texts.extend(question.option_texts)
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    encodings = encode_each(tokenizer, texts)
     start = [*made.head, *([IMAGE_PAD_ID] * image_tokens), VISION_END_ID]
     out, at = [], 0
     for question in questions:
@@ -152,8 +166,8 @@ def split_ids(
 def encode_questions(
     questions: Sequence[Question], tokenizer: Tokenizer, image_tokens: int
 ) -> list[list[int]]:
-    """Expanded ids of every question's prompt: the template's ids once per tokenizer, the
-    request's texts in one batch; the whole prompts where the split may not hold."""
+    """Expanded ids of every question's prompt: the template's ids once per tokenizer, then the
+    request's texts; the whole prompts where the split may not hold."""
     made = template(tokenizer)
     if made is not None and splittable(questions):
         return split_ids(questions, tokenizer, made, image_tokens)
