@@ -1,7 +1,8 @@
 """Prepares a compiled request: prompts, token ids, the row layout and M-RoPE positions.
 
 Follows the reference's `MSO1._prompt`, `_encode_many`, `rows_from_ids`/`_marks` and transformers'
-`get_rope_index` (contract.md §4.2-4.6), with the worker's preparation limits (§2.7).
+`get_rope_index` (contract.md §4.2-4.6), with the worker's preparation limits (§2.7). The prompt
+template's ids are made once per tokenizer, and the image decodes on its own thread meanwhile.
 """
 
 from __future__ import annotations
