@@ -1,8 +1,9 @@
 """Closed-loop HTTP load on a running worker: N clients each post one request file, wait for the
 answer and post again, for a fixed time; prints requests/s and latency (issue 13's overlap check).
 
-Times like `tools.bench` (medians and validate.py's quantiles); each client keeps one HTTP/1.1
-connection, as the native worker's load generator does. Standard library only.
+Quantiles as `tools.bench` takes them (validate.py's q); each client keeps one HTTP/1.1
+connection. `--workload` builds `omnijev bench`'s request (the 1600×900 PNG still) in place of a
+file; the rest is standard library.
 """
 
 from __future__ import annotations
@@ -120,6 +121,16 @@ def summary(report: dict) -> str:
     )
 
 
+def bench_body(workload: str) -> bytes:
+    """`omnijev bench`'s request for a workload: the screen still as PNG (contract.md §12.2)."""
+    from tools.bench import BENCH_SIZE, body, encode, screen_image, workloads
+
+    loads = workloads()
+    if workload not in loads:
+        raise SystemExit(f"unknown workload {workload!r}; one of {sorted(loads)}")
+    return body(encode(screen_image(*BENCH_SIZE, seed=1), "PNG"), "image/png", loads[workload])
+
+
 def parse_headers(values: list[str]) -> dict[str, str]:
     headers = {}
     for value in values:
@@ -133,7 +144,12 @@ def parse_headers(values: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.loadtest", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000/v1/systemone")
-    parser.add_argument("--request", required=True, help="request body file (JSON)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--request", help="request body file (JSON)")
+    source.add_argument(
+        "--workload",
+        help="a bench workload on the 1600×900 PNG still instead, e.g. '12 questions'",
+    )
     parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--warm-up", type=float, default=WARM_UP_SECONDS)
@@ -141,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--header", action="append", default=[], help="extra 'Name: value'")
     parser.add_argument("--out", default=None, help="write the report(s) as JSON")
     args = parser.parse_args(argv)
-    body = Path(args.request).read_bytes()
+    body = Path(args.request).read_bytes() if args.request else bench_body(args.workload)
     headers = parse_headers(args.header)
     reports = []
     for clients in ([1] if args.single else []) + [args.clients]:
