@@ -47,6 +47,7 @@ STALLED = 50  # issue 14: 50 stalled clients
 HEADER_DEADLINE_S = 10.0  # server.protocol.HEADER_READ_S
 BODY_DEADLINE_S = 30.0  # server.app.BODY_READ_S
 START_S = 120.0  # the worker must answer /health within this
+RSS_RATIO = 1.3  # issue 14: RSS after the valid requests within 1.3x its warm-up level
 ICCP_CHUNKS = 2000  # the bomb's ancillary chunks, each inflating to 1 MiB (8,000 in issue 14)
 WORDS = [
     "model", "state", "images", "questions", "type", "instructions", "options", "criteria",
@@ -434,12 +435,15 @@ class Run:
                 if status != 200:
                     self.failures.append(f"valid request {index}: status {status}")
         after = rss_mib(self.pid)
+        ratio = after / self.report["rss_after_warm_up_mib"]
+        if ratio > RSS_RATIO:
+            self.failures.append(f"valid: RSS {after:.0f} MiB, {ratio:.2f}x its warm-up level")
         self.report["valid"] = {
             "requests": count,
             "seconds": round(time.perf_counter() - started, 1),
             "statuses": dict(statuses),
             "rss_after_mib": round(after, 1),
-            "rss_ratio_to_warm_up": round(after / self.report["rss_after_warm_up_mib"], 3),
+            "rss_ratio_to_warm_up": round(ratio, 3),
         }
 
     def flood(self, seconds: float) -> None:
