@@ -70,15 +70,20 @@ def negative_log_likelihood(records: list[Record], calibration: Calibration) -> 
     return total / max(len(records), 1)
 
 
-def calibration_error(records: list[Record], calibration: Calibration) -> float:
-    """ECE of the top answer's probability against whether it was right."""
+def top_answers(records: list[Record], calibration: Calibration) -> tuple[np.ndarray, np.ndarray]:
+    """Each record's top answer probability, and 1.0 where that answer was right, else 0.0."""
     confidences, hits = [], []
     for record in records:
         values, label = answer_distribution(record, calibration)
         top = int(np.argmax(values))
         confidences.append(values[top])
         hits.append(top == label)
-    return expected_calibration_error(np.array(confidences), np.array(hits, dtype=float))
+    return np.array(confidences, dtype=np.float64), np.array(hits, dtype=np.float64)
+
+
+def calibration_error(records: list[Record], calibration: Calibration) -> float:
+    """ECE of the top answer's probability against whether it was right."""
+    return expected_calibration_error(*top_answers(records, calibration))
 
 
 def with_temperature(calibration: Calibration, kind: str, t: float) -> Calibration:
@@ -157,7 +162,20 @@ def cli_calibrate(args) -> int:
     print(report_table(report))
     print(json.dumps({"temperatures": fitted.temperatures, "noul_bias": fitted.noul_bias}))
     if getattr(args, "plot", None):
-        from calibration.plot import draw_reliability
-
-        print(f"reliability diagram: {draw_reliability(records, calibration, fitted, args.plot)}")
+        print(f"reliability diagram: {plot_reliability(records, calibration, fitted, args.plot)}")
     return 0
+
+
+def plot_reliability(
+    records: list[Record], before: Calibration, after: Calibration, path: str | Path
+) -> Path:
+    """The reliability diagram (calibration.plot) of each question type, before and after."""
+    from calibration.plot import Panel, draw_reliability
+
+    panels = []
+    for kind in ("noul", "choice", "score"):
+        subset = [r for r in records if r.type == kind]
+        if subset:
+            curves = {"before": top_answers(subset, before), "after": top_answers(subset, after)}
+            panels.append(Panel(kind, len(subset), curves))
+    return draw_reliability(panels, path)

@@ -14,9 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from calibration.fit import Record, answer_distribution, calibration_error
-from calibration.meta import ECE_BINS
-from runtime.finish import Calibration
+from calibration.meta import ECE_BINS, expected_calibration_error
 
 PANEL = 360  # pixels per side of one type's plot area
 MARGIN = 56  # room for the axis labels around a panel
@@ -36,15 +34,18 @@ class Bin:
     count: int
 
 
-def reliability(records: list[Record], calibration: Calibration, bins: int = ECE_BINS) -> list[Bin]:
+@dataclass(frozen=True)
+class Panel:
+    """One question type: its record count and, per curve name, (confidences, hits) arrays."""
+
+    kind: str
+    records: int
+    curves: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def reliability(confidences: np.ndarray, hits: np.ndarray, bins: int = ECE_BINS) -> list[Bin]:
     """The non-empty bins of the top answer's confidence (b/B ≤ p < (b+1)/B, p = 1 in the last)."""
-    confidences, hits = [], []
-    for record in records:
-        values, label = answer_distribution(record, calibration)
-        top = int(np.argmax(values))
-        confidences.append(values[top])
-        hits.append(top == label)
-    p, y = np.array(confidences, dtype=np.float64), np.array(hits, dtype=np.float64)
+    p, y = np.asarray(confidences, np.float64), np.asarray(hits, np.float64)
     which = np.minimum((p * bins).astype(np.int64), bins - 1)
     return [
         Bin(float(p[which == b].mean()), float(y[which == b].mean()), int((which == b).sum()))
@@ -53,34 +54,27 @@ def reliability(records: list[Record], calibration: Calibration, bins: int = ECE
     ]
 
 
-def draw_reliability(
-    records: list[Record], before: Calibration, after: Calibration, path: str | Path
-) -> Path:
-    """A PNG with one panel per question type present in `records`; returns its path."""
-    kinds = [k for k in ("noul", "choice", "score") if any(r.type == k for r in records)]
-    if not kinds:
+def draw_reliability(panels: list[Panel], path: str | Path) -> Path:
+    """A PNG with one panel per question type, each curve in COLORS; returns its path."""
+    if not panels:
         raise ValueError("no records to plot")
-    width = len(kinds) * (PANEL + 2 * MARGIN)
+    width = len(panels) * (PANEL + 2 * MARGIN)
     height = PANEL + 2 * MARGIN + TITLE
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default(FONT_SIZE)
-    for index, kind in enumerate(kinds):
-        subset = [r for r in records if r.type == kind]
+    for index, panel in enumerate(panels):
         left, top = index * (PANEL + 2 * MARGIN) + MARGIN, MARGIN + TITLE
-        ece = {
-            name: calibration_error(subset, c) for name, c in (("before", before), ("after", after))
-        }
-        title = f"{kind}: {len(subset)} records"
-        draw.text((left, 8), title, fill="black", font=font)
-        line = f"ECE before {ece['before']:.4f}, after {ece['after']:.4f}"
+        ece = {name: expected_calibration_error(*curve) for name, curve in panel.curves.items()}
+        draw.text((left, 8), f"{panel.kind}: {panel.records} records", fill="black", font=font)
+        line = ", ".join(f"ECE {name} {value:.4f}" for name, value in ece.items())
         draw.text((left, 8 + FONT_SIZE + 6), line, fill="black", font=font)
         draw_axes(draw, left, top, font)
-        for name, calibration in (("before", before), ("after", after)):
-            draw_curve(draw, reliability(subset, calibration), left, top, COLORS[name])
+        for name, curve in panel.curves.items():
+            draw_curve(draw, reliability(*curve), left, top, COLORS[name])
         legend_y = top + 6
-        for name, color in COLORS.items():
-            draw.line((left + 8, legend_y + 7, left + 28, legend_y + 7), fill=color, width=3)
+        for name in panel.curves:
+            draw.line((left + 8, legend_y + 7, left + 28, legend_y + 7), fill=COLORS[name], width=3)
             draw.text((left + 34, legend_y), name, fill="black", font=font)
             legend_y += FONT_SIZE + 6
     path = Path(path)

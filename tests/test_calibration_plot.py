@@ -9,8 +9,8 @@ import sys
 import numpy as np
 from PIL import Image
 
-from calibration.fit import Record, fit
-from calibration.plot import COLORS, PANEL, draw_reliability, reliability
+from calibration.fit import Record, fit, plot_reliability, top_answers
+from calibration.plot import COLORS, PANEL, reliability
 from runtime.finish import Calibration
 
 
@@ -27,7 +27,7 @@ def noul_records(n: int, seed: int, sharpen: float) -> list[Record]:
 
 def test_bins_count_every_record_and_lie_in_the_unit_square() -> None:
     records = noul_records(500, 0, 0.5)
-    bins = reliability(records, Calibration.v11())
+    bins = reliability(*top_answers(records, Calibration.v11()))
     assert sum(b.count for b in bins) == 500
     assert all(0.5 <= b.confidence <= 1 and 0 <= b.accuracy <= 1 for b in bins)
     assert [b.confidence for b in bins] == sorted(b.confidence for b in bins)
@@ -39,7 +39,7 @@ def test_fitting_brings_the_bins_towards_the_diagonal() -> None:
     fitted, _ = fit(records, start)
 
     def gap(calibration: Calibration) -> float:
-        bins = reliability(records, calibration)
+        bins = reliability(*top_answers(records, calibration))
         return sum(b.count * abs(b.accuracy - b.confidence) for b in bins) / len(records)
 
     assert gap(fitted) < gap(start)
@@ -52,7 +52,7 @@ def test_the_png_has_a_panel_per_type_with_both_curves(tmp_path) -> None:
         mu = rng.dirichlet(np.ones(4)).astype(np.float32)
         records.append(Record("score", mu, int(rng.choice(4, p=mu / mu.sum()))))
     fitted, _ = fit(records, Calibration.v11())
-    path = draw_reliability(records, Calibration.v11(), fitted, tmp_path / "r.png")
+    path = plot_reliability(records, Calibration.v11(), fitted, tmp_path / "r.png")
     image = Image.open(path).convert("RGB")
     assert image.width > 2 * PANEL  # two panels: noul and score
     colors = {color for _, color in image.getcolors(image.width * image.height)}
