@@ -7,6 +7,7 @@ before it loads anything, written by `build_engines.engines` and `build_engines.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import re
@@ -159,6 +160,8 @@ def verify_engine_dir(engines_dir: str | Path, checkpoint_dir: str | Path) -> No
     check_onnx_files(root, recorded)
     if plans.get("plugin"):
         check_plugin(plans["plugin"])
+    if manifest.get("torch"):
+        check_tree(root, manifest["torch"])
 
 
 def onnx_records(manifest: dict) -> dict[str, dict]:
@@ -239,3 +242,26 @@ def check_plugin(record: object) -> None:
     actual = sha256_file(path)
     if actual != record.get("sha256"):
         raise EngineDirError(f"{path}: sha256 {actual[:16]}…, recorded {record.get('sha256')}")
+
+
+def tree_digest(folder: Path) -> str:
+    """sha256 over every file's relative path and contents, in path order (as
+    `build_engines.engines.tree_digest` records the torch backend's compiler caches)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def check_tree(root: Path, record: object) -> None:
+    """The torch backend's compiler caches (code it loads): inside the directory, unchanged."""
+    named_in = str(root / MANIFEST)
+    folder = confined(root, record.get("dir") if isinstance(record, dict) else None, named_in)
+    if not folder.is_dir():
+        raise EngineDirError(f"{folder}: missing")
+    for path in folder.rglob("*"):
+        confined(root, path.relative_to(root).as_posix(), named_in)
+    actual = tree_digest(folder)
+    if actual != record.get("sha256"):
+        raise EngineDirError(f"{folder}: sha256 {actual[:16]}…, recorded {record.get('sha256')}")

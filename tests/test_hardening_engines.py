@@ -11,7 +11,14 @@ from pathlib import Path
 import onnx
 import pytest
 
-from build_engines.engines import FORMAT, checkpoint_record, variant_files, write_manifest
+from build_engines.engines import (
+    FORMAT,
+    checkpoint_record,
+    tree_digest,
+    variant_files,
+    write_manifest,
+)
+from runtime import manifest as manifests
 from runtime.manifest import MANIFEST, EngineDirError, file_record, verify_engine_dir
 from tests.engine_fixtures import tiny_engines
 
@@ -20,7 +27,8 @@ VARIANT = "onnx_ort"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(checkpoint, engine dir) with a manifest as the build writes it, the vision graph's
+    """(checkpoint, engine dir) with a manifest as the build writes it, a torch compiler cache
+    recorded by its tree digest, the vision graph's
     weights moved to external data (as the 4B export keeps them), a stand-in plan and a
     stand-in plugin library (hashing does not care what the bytes are)."""
     export, onnx_dir = tiny_engines(tmp_path_factory)
@@ -34,7 +42,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     plan.write_bytes(b"serialized plan")
     plugin = engines.parent / "libomnijev_plugins.so"
     plugin.write_bytes(b"\x7fELF plugin")
+    cache = engines / "torch" / "inductor"
+    cache.mkdir(parents=True)
+    (cache / "kernel.py").write_text("compiled = True\n")
     manifest = {
+        "torch": {"dir": "torch", "sha256": tree_digest(engines / "torch")[0]},
         "format": FORMAT,
         "checkpoint": checkpoint_record(export),
         "onnx": {VARIANT: {"files": variant_files(engines, VARIANT)}},
@@ -180,3 +192,14 @@ def test_engines_built_from_another_checkpoint_are_refused(
     manifest.write_text(manifest.read_text() + " ")
     message = refused(engines, other)
     assert str(engines / MANIFEST) in message and "built from checkpoint" in message
+
+
+def test_the_runtime_digest_of_a_tree_is_the_build_s(built: tuple[Path, Path]) -> None:
+    _, engines = built
+    assert manifests.tree_digest(engines / "torch") == tree_digest(engines / "torch")[0]
+
+
+def test_a_changed_torch_compiler_cache_is_refused(copy: tuple[Path, Path]) -> None:
+    export, engines = copy
+    (engines / "torch" / "inductor" / "kernel.py").write_text("import os\n")
+    assert f"{engines / 'torch'}: sha256" in refused(engines, export)
