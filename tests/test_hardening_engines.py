@@ -27,10 +27,9 @@ VARIANT = "onnx_ort"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(checkpoint, engine dir) with a manifest as the build writes it, a torch compiler cache
-    recorded by its tree digest, the vision graph's
-    weights moved to external data (as the 4B export keeps them), a stand-in plan and a
-    stand-in plugin library (hashing does not care what the bytes are)."""
+    """(checkpoint, engine dir) with a manifest as the build writes it: the vision graph's
+    weights moved to external data (as the 4B export keeps them), a stand-in plan, plugin
+    library and torch compiler cache (hashing does not care what the bytes are)."""
     export, onnx_dir = tiny_engines(tmp_path_factory)
     engines = tmp_path_factory.mktemp("verified") / "engines"
     shutil.copytree(onnx_dir, engines)
