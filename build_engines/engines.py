@@ -20,12 +20,13 @@ from build_engines import trt_build
 from runtime import manifest as manifests
 from runtime.constants import GRAPHS
 
-FORMAT = "omnijev-engines/1"
+FORMAT = manifests.FORMAT
 MANIFEST = manifests.MANIFEST
-ONNX_ORT = "onnx_ort"  # runtime.backends.ort.ONNX_DIR
+ONNX_ORT = manifests.ONNX_ORT
 ONNX_TRT = manifests.ONNX_TRT
+DESCRIPTION = "onnx_export.json"  # each variant's export description (onnx_export.MANIFEST)
 GDN = {ONNX_ORT: "ort", ONNX_TRT: "std"}  # the Gated DeltaNet form of each variant directory
-EXPORT_MANIFEST = "omnijev_export.json"  # the checkpoint's own manifest (contract.md §8.2)
+EXPORT_MANIFEST = manifests.EXPORT_MANIFEST
 # Small, distinct pass sizes for the check (distinct so a swapped axis shows); T ≤ 64 fits the
 # standard-op GDN graph too.
 CHECK_SIZES = {"B": 2, "T": 5, "N": 3, "P": 4, "Q": 3, "S": 2, "R": 3, "M": 4}
@@ -38,9 +39,12 @@ CHECK_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 def variant_files(engine_dir: Path, variant: str) -> dict:
     folder = engine_dir / variant
     files = {}
+    described = [folder / DESCRIPTION] if (folder / DESCRIPTION).is_file() else []
     for onnx_path in sorted(folder.glob("*.onnx")):
         for path in manifests.onnx_files(onnx_path):
             files[path.relative_to(engine_dir).as_posix()] = manifests.file_record(path)
+    for path in described:  # the backend reads it (the variant's pass limit): hashed too
+        files[path.relative_to(engine_dir).as_posix()] = manifests.file_record(path)
     return files
 
 

@@ -88,6 +88,16 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
             help="also answer this request before reporting ready (repeatable): its shapes' "
             "sessions and CUDA graphs are then built before the first client",
         )
+        parser.add_argument(
+            "--allowed-host",
+            action="append",
+            metavar="HOST",
+            help="a Host header name to answer (repeatable; default localhost, 127.0.0.1, ::1; "
+            "'*' any; also OMNIJEV_ALLOWED_HOSTS)",
+        )
+        parser.add_argument(
+            "--no-docs", action="store_true", help="no /docs, /redoc or /openapi.json"
+        )
     if name in ("serve", "demo"):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)

@@ -679,20 +679,21 @@ def serve(app: FastAPI, host: str, port: int, sock: socket.socket | None = None)
 def cli_serve(args: Any) -> int:
     """`omnijev serve --checkpoint DIR --engines DIR [--backend auto] [--host H --port P]`.
 
-    The port is bound before the model loads. Host allow-list: OMNIJEV_ALLOWED_HOSTS (or
-    `--allowed-host`, repeatable, where the command line has it); OMNIJEV_DOCS=0 (or
-    `--no-docs`) turns the documentation routes off.
+    The port is bound before the model loads. Host allow-list: `--allowed-host` (repeatable),
+    else OMNIJEV_ALLOWED_HOSTS; `--no-docs` (or OMNIJEV_DOCS=0) turns the documentation routes
+    off.
     """
+    from runtime.config import RuntimeConfig
     from runtime.executor import load_engine
 
     warm_ups = [read_warm_up(path) for path in args.warm_up or ()]
     sock = bind(args.host, args.port)
-    engine = load_engine(args.checkpoint, args.engines, args.backend)
+    engine = load_engine(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
     app = create_app(
         engine,
         warm_ups=warm_ups,
-        allowed_hosts=getattr(args, "allowed_host", None) or None,
-        docs=False if getattr(args, "no_docs", False) else None,
+        allowed_hosts=args.allowed_host or None,
+        docs=False if args.no_docs else None,
     )
     serve(app, args.host, args.port, sock)
     return 0
