@@ -359,7 +359,7 @@ def prepare(
     )
 
 
-_image_pool: ThreadPoolExecutor | None = None
+_image_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, pool)
 _image_pool_lock = threading.Lock()
 
 
@@ -371,9 +371,11 @@ def start_image(request: Request, pack: bool = True) -> Future | None:
     from runtime.images import prepare_image
 
     with _image_pool_lock:
-        if _image_pool is None:
-            _image_pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="omnijev-image")
-    return _image_pool.submit(
+        # a forked child inherits the pool but not its threads: it makes its own
+        if _image_pool is None or _image_pool[0] != os.getpid():
+            pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="omnijev-image")
+            _image_pool = (os.getpid(), pool)
+    return _image_pool[1].submit(
         prepare_image, request.image_bytes, request.image_mime, request.opened, pack
     )
 

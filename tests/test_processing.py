@@ -368,3 +368,28 @@ def test_an_image_refusal_comes_before_a_text_refusal(tok):
     with pytest.raises(ContractError) as refused:
         prepare(compile_request(body), tok)
     assert str(refused.value).startswith("question q: ")
+
+
+def test_a_forked_child_prepares_with_its_own_image_threads(tok):
+    """The image pool's threads do not survive a fork; the child makes a pool of its own."""
+    import multiprocessing
+
+    from PIL import Image
+
+    from runtime.contract import compile_request
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    body = {"state": {"images": [url]}, "questions": {"q": {"type": "noul", "instructions": "?"}}}
+    parent = prepare(compile_request(body), tok)  # the parent's pool now exists
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        tokens = pool.apply_async(child_input_tokens, (body,)).get(timeout=60)
+    assert tokens == parent.input_tokens
+
+
+def child_input_tokens(body: dict) -> int:
+    from runtime.contract import compile_request
+
+    return prepare(compile_request(body), load_tokenizer(None)).input_tokens
