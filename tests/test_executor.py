@@ -237,3 +237,21 @@ def test_batched_questions_answer_alike_on_the_cpu(executor, monkeypatch):
     one = json.dumps(without_latency(executor.answer(body)))
     executor.config = executor.config.with_(question_batch=16)
     assert json.dumps(without_latency(executor.answer(body))) == one
+
+
+def test_patches_made_on_the_device_give_the_same_answers(executor):
+    """On a GPU the executor uploads the uint8 resized image and makes the patches there
+    (`prepare(pack=False)`); the answers are the host-packed ones, byte for byte."""
+    from runtime.contract import compile_request
+    from runtime.processing import prepare
+    from runtime.strict_json import parse_body
+
+    executor.prefix_cache.clear()
+    image, mime = IMAGES["pattern.png"]
+    obj = parse_body(request_body(image, speed_bench_questions(3), mime))
+    packed = prepare(compile_request(obj), executor.tokenizer, pack=True)
+    unpacked = prepare(compile_request(obj), executor.tokenizer, pack=False)
+    assert unpacked.image.pixel_values is None
+    one = json.dumps(without_latency(executor.execute(packed)))
+    executor.prefix_cache.clear()
+    assert json.dumps(without_latency(executor.execute(unpacked))) == one
