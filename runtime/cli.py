@@ -78,6 +78,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name in ("parity", "bench"):
         parser.add_argument("--out", default=None, help="write the full report as JSON")
     if name == "bench":
+        parser.add_argument(
+            "--host-only", action="store_true", help="the host stages alone, without engines"
+        )
         parser.add_argument("--runs", type=int, default=20)
         parser.add_argument("--reference-dtype", choices=("float32", "bfloat16"), default=None)
     if name == "serve":

@@ -9,11 +9,14 @@ from __future__ import annotations
 import io
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from runtime.config import RuntimeConfig
 
 BENCH_SIZE = (1600, 900)  # the latency still of contract.md §12.2
 WARM_RUNS = 20  # the issue's "at least 20 warm runs"
@@ -160,10 +163,19 @@ def compare(reference: dict, candidate: dict) -> dict:
     return {"differences": rows, "flips": flips, "input_tokens_equal": same_tokens}
 
 
+def progress(done: int, total: int, what: str, started: float) -> None:
+    """One line a step on stderr, so a long run is never silent."""
+    elapsed = time.perf_counter() - started
+    print(f"  {what}: {done}/{total} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+
+
 def parity(executor, reference, sets: dict[str, dict[str, dict]]) -> dict:
     results, differences, flips, token_mismatches = [], [], [], 0
-    for name, image, mime in parity_images():
+    images, started = parity_images(), time.perf_counter()
+    total = len(images) * len(sets)
+    for name, image, mime in images:
         for set_name, questions in sets.items():
+            progress(len(results), total, f"parity {name} {set_name}", started)
             request = body(image, mime, questions)
             ref, got = reference.answer(request), executor.answer(request)
             result = compare(ref, got)
@@ -237,9 +249,10 @@ def latency(
     image = encode(screen_image(*BENCH_SIZE, seed=1), "PNG")
     if not prefix_cache:
         executor.prefix_cache.size = 0
-        executor.prefix_cache.entries.clear()
-    rows = []
-    for name, questions in workloads().items():
+        executor.prefix_cache.clear()
+    rows, chosen, started = [], workloads(), time.perf_counter()
+    for name, questions in chosen.items():
+        progress(len(rows), len(chosen), f"latency {name}, {runs} runs", started)
         request = body(image, "image/png", questions)
         ours = time_runs(executor.answer, request, runs, executor.stages, executor.settle)
         row = {
@@ -285,7 +298,7 @@ def cli_parity(args) -> int:
     from reference.mso1 import Reference
     from runtime.executor import load_engine
 
-    executor = load_engine(args.checkpoint, args.engines, args.backend)
+    executor = load_engine(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
     reference = Reference(args.checkpoint, dtype="float32", device=args.device)
     report = parity(executor, reference, question_sets())
     if args.out:
@@ -300,7 +313,7 @@ def cli_bench(args) -> int:
     if getattr(args, "host_only", False):  # no engines: the host stages alone
         return print_host_profile(args.runs, None, getattr(args, "out", None))
     started = time.perf_counter()
-    executor = load_engine(args.checkpoint, args.engines, args.backend)
+    executor = load_engine(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
     executor.answer(json.dumps(executor.warm_up_request()).encode())
     cold = time.perf_counter() - started
     reference = None
