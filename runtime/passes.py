@@ -25,8 +25,13 @@ OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-
 # size followed the number of questions moved answers by up to 0.055 in BF16 (the kernels
 # follow the batch shape; docs/measurements/h200-2026-11-30b). RuntimeConfig.question_batch is
 # the question passes' row count (QUESTION_ROWS where the caller has none).
-QUESTION_ROWS = 16  # the 12 speed-bench questions fit one pass; weight-bound, rows are cheap
+QUESTION_ROWS = 16  # the 12 speed-bench questions fit one pass
 OPTION_ROWS = 64  # the reference's option chunk (model.md §8.4): 255 options in 4 passes
+# Longer buckets get fewer rows, so that one long question or option does not pay for a full
+# pass of its length (H200, 4b BF16: a 64 × 8 option pass took 18 ms, and one 18-token option
+# of the 12 speed-bench questions cost a 64 × 24 pass of 35 ms); still a function of the bucket.
+QUESTION_TOKENS = 256  # token slots of a question pass: 16 rows × 16, 8 × 32, ...
+OPTION_TOKENS = 512  # token slots of an option pass: 64 rows × 8, 32 × 16, 16 × 24, ...
 OPTION_BATCH = OPTION_ROWS  # the name the split-pass code and older tests use
 
 
@@ -41,6 +46,15 @@ def batch_bucket(n: int, cap: int) -> int:
     while size < n:
         size *= 2
     return min(size, cap)
+
+
+def rows_for(length: int, rows: int, tokens: int) -> int:
+    """Rows of every pass of this length bucket: `rows`, or fewer (a power of two, at least
+    one) where `rows` × `length` would exceed `tokens`."""
+    size = 1
+    while size * 2 * length <= tokens and size * 2 <= rows:
+        size *= 2
+    return size
 
 
 def padded(values: list[int], filler: int) -> list[int]:
@@ -165,16 +179,18 @@ def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
 
 
 def plan_questions(prepared: Prepared, start: int, rows: int) -> list[QuestionPass]:
-    """Question texts by length bucket, `rows` rows a pass whatever the count asked."""
+    """Question texts by length bucket, `rows` rows a pass (fewer for long buckets: rows_for)
+    whatever the count asked."""
     spans = [question_span(layout, start) for layout in prepared.layouts]
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
         groups.setdefault(bucket(len(ids), TEXT_STEP), []).append(qi)
     passes = []
     for length, members in sorted(groups.items()):
-        for chunk_start in range(0, len(members), rows):
-            chunk = members[chunk_start : chunk_start + rows]
-            p = empty_pass(rows, length)
+        size = rows_for(length, rows, QUESTION_TOKENS)
+        for chunk_start in range(0, len(members), size):
+            chunk = members[chunk_start : chunk_start + size]
+            p = empty_pass(size, length)
             qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
             for row, qi in enumerate(chunk):
                 ids, positions = spans[qi]
@@ -193,8 +209,8 @@ def plan_questions(prepared: Prepared, start: int, rows: int) -> list[QuestionPa
 
 
 def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> list[OptionPass]:
-    """The options of one question pass's questions by length bucket, OPTION_ROWS rows a pass,
-    each row continuing its question's row."""
+    """The options of one question pass's questions by length bucket, OPTION_ROWS rows a pass
+    (fewer for long buckets: rows_for), each row continuing its question's row."""
     passes = []
     for pi, qp in enumerate(question_passes):
         groups: dict[int, list[tuple[int, int, int]]] = {}
@@ -204,9 +220,10 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
                 n = layout.closes[k] - layout.opens[k] + 1
                 groups.setdefault(bucket(n, OPTION_STEP), []).append((qi, k, source))
         for length, rows in sorted(groups.items()):
-            for chunk_start in range(0, len(rows), OPTION_ROWS):
-                chunk = rows[chunk_start : chunk_start + OPTION_ROWS]
-                p = empty_pass(OPTION_ROWS, length)
+            size = rows_for(length, OPTION_ROWS, OPTION_TOKENS)
+            for chunk_start in range(0, len(rows), size):
+                chunk = rows[chunk_start : chunk_start + size]
+                p = empty_pass(size, length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
                 for row, (qi, k, source) in enumerate(chunk):
                     layout = prepared.layouts[qi]
@@ -227,7 +244,7 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
 
 def plan(prepared: Prepared, question_rows: int = QUESTION_ROWS) -> Plan:
     """The passes of a request; question passes have `question_rows` rows, option passes
-    OPTION_ROWS, whatever the request asks."""
+    OPTION_ROWS (fewer for long buckets), whatever the request asks."""
     prefix, n = plan_prefix(prepared)
     questions = plan_questions(prepared, n, question_rows)
     return Plan(prefix, n, questions, plan_options(prepared, questions))

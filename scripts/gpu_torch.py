@@ -2,9 +2,17 @@
 time, check and profile through the library (runtime.executor, tools.bench, build_engines).
 
     python scripts/gpu_torch.py dev        # build; kernel crossover; latency; invariance; profile
-    python scripts/gpu_torch.py final      # build; artifacts; latency; invariance; memory;
-                                           # profile; cold start with/without caches; parity
-    python scripts/gpu_torch.py coldstart ENGINES   # (run by final) one process start to ready
+    python scripts/gpu_torch.py final      # build; crossover; latency; invariance; memory;
+                                           # profile; the reference with fla-core; parity
+    python scripts/gpu_torch.py cold       # cold start with and without the engine caches
+    python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
+    python scripts/gpu_torch.py parity     # float32 parity alone (after final, same lease)
+    python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
+
+fla-core goes to its own folder, named by FLA_PATH and on PYTHONPATH, so that the float32
+reference runs without it (see reference_answers):
+    pip install --no-deps --target /tmp/fla .gpu-wheels/torch/fla_core-*.whl
+    export FLA_PATH=/tmp/fla PYTHONPATH=/tmp/site:/tmp/fla:$PWD
 
 Results go to $OUT (JSON and Markdown); large artifacts to /tmp/omnijev, which survives between
 calls only while the machine stays warm. Every setting is an explicit RuntimeConfig.
@@ -12,6 +20,7 @@ calls only while the machine stays warm. Every setting is an explicit RuntimeCon
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -30,13 +39,14 @@ WORK = Path("/tmp/omnijev")
 # `--tiny`: the tiny preset in float32 on the CPU, to try the script without a GPU
 TINY = "--tiny" in sys.argv
 PRESET = "tiny" if TINY else "4b"
+DEVICE = "cpu" if TINY else "cuda"
 OUT = Path(os.environ.get("OUT", "/tmp/omnijev-out"))
 RUNS = 20  # the issue's warm runs per workload
 REFERENCE_RUNS = 10  # the reference with fla-core, per workload
 TARGETS_MS = {"1 question": 25, "12 questions": 35, "32 options": 30, "255 options": 50}
-# (rows, tokens) of the Gated DeltaNet passes the plan makes: question passes 16 × 16/32,
-# option passes 64 × 8/24, the prefix 1 × 640
-CROSSOVER = [(16, 8), (16, 16), (16, 32), (64, 8), (64, 16), (64, 24), (1, 64), (1, 640)]
+# (rows, tokens) of the Gated DeltaNet passes the plan makes (runtime.passes.rows_for): question
+# passes 16 × 16 and 8 × 32, option passes 64 × 8, 32 × 16, 16 × 24, prefixes 1 × 64k
+CROSSOVER = [(16, 16), (8, 32), (64, 8), (32, 16), (16, 24), (1, 64), (1, 128), (1, 640)]
 
 
 @dataclass(frozen=True)
@@ -121,12 +131,34 @@ def executor_for(run: Run, engines: Path | None = None):
 # -- measurements ----------------------------------------------------------------------------
 
 
-def crossover() -> list[dict]:
+def graph_ms(call, replays: int = 50) -> float:
+    """Milliseconds a call takes as a replayed CUDA graph (as the backend runs it: the launch
+    overhead of fla's Python wrappers stays out)."""
+    import torch
+
+    call()  # autotuning and compilation stay out of the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def crossover() -> dict:
     """fla's fused recurrent against its chunked kernel on the 4b Gated DeltaNet shapes (BF16,
-    CUDA-graph replays): which is faster for each pass shape the plan makes."""
+    CUDA-graph replays), and the longest pass the recurrent one should take: runtime.model.gdn's
+    FLA_RECURRENT_MAX_TOKENS is set to it for this run."""
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    from triton.testing import do_bench
+
+    from runtime.model import gdn
 
     rows = []
     heads, value_heads, dim = 16, 32, 128
@@ -146,10 +178,17 @@ def crossover() -> list[dict]:
             call = partial(
                 kernel, *args, **options, output_final_state=True, use_qk_l2norm_in_kernel=True
             )
-            row[f"{name}_ms"] = do_bench(call, warmup=25, rep=100, return_mode="median")
+            row[f"{name}_ms"] = graph_ms(call)
         rows.append(row)
         log(f"crossover {row}")
-    return rows
+    longest = 0
+    for t in sorted({r["tokens"] for r in rows}):
+        if all(r["recurrent_ms"] <= r["chunk_ms"] for r in rows if r["tokens"] == t):
+            longest = t
+        else:
+            break
+    gdn.FLA_RECURRENT_MAX_TOKENS = longest
+    return {"rows": rows, "recurrent_max_tokens": longest}
 
 
 def prepared_workloads(executor) -> dict:
@@ -287,21 +326,57 @@ def profile(executor, workloads: dict, names=("1 question", "255 options")) -> d
     return tables
 
 
+class Recorded:
+    """The reference's answers computed in another process, looked up by request body."""
+
+    def __init__(self, path: Path):
+        self.answers = json.loads(path.read_text())
+
+    def answer(self, body: bytes) -> dict:
+        return self.answers[hashlib.sha256(body).hexdigest()]
+
+
+def reference_answers(path: str) -> None:
+    """(run by parity_float32, in a process without fla-core: transformers would otherwise run
+    fla's chunked kernel, whose Triton dots round float32 operands to TF32) the float32
+    reference's answers to every parity request, by the sha256 of the request body."""
+    from reference.mso1 import Reference
+    from tools import bench
+
+    reference = Reference(WORK / f"{PRESET}-export", dtype="float32", device=DEVICE)
+    answers = {}
+    for _, image, mime in bench.parity_images():
+        for questions in bench.question_sets().values():
+            body = bench.body(image, mime, questions)
+            answers[hashlib.sha256(body).hexdigest()] = reference.answer(body)
+    Path(path).write_text(json.dumps(answers))
+
+
+def without_fla() -> dict[str, str]:
+    """This environment with fla-core's folder (FLA_PATH) off the module path."""
+    fla = os.environ.get("FLA_PATH", "")
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p and p != fla]
+    return {**os.environ, "PYTHONPATH": ":".join(parts)}
+
+
 def parity_float32() -> dict:
-    """Float32 engine (eager modules + CUDA graphs) against the float32 reference: 80 answers."""
+    """Float32 engine (eager modules + CUDA graphs) against the float32 reference (plain PyTorch,
+    another process): 80 answers."""
     import gc
 
     import torch
 
-    from reference.mso1 import Reference
     from tools import bench
 
+    recorded = WORK / "reference-float32.json"
+    if not recorded.exists():
+        command = [sys.executable, "-u", __file__, "refanswers", str(recorded), *sys.argv[2:]]
+        subprocess.run(command, env=without_fla(), check=True)
     run = Run("float32", dtype="float32", compile=False)
     executor = executor_for(run)
-    reference = Reference(WORK / f"{PRESET}-export", dtype="float32", device="cuda")
-    report = bench.parity(executor, reference, bench.question_sets())
+    report = bench.parity(executor, Recorded(recorded), bench.question_sets())
     log("parity float32\n" + bench.parity_table(report))
-    del executor, reference
+    del executor
     gc.collect()
     torch.cuda.empty_cache()
     return {"summary": report["summary"], "flips": report["flips"], "backend": run}
@@ -339,7 +414,7 @@ def cold_start(engines: Path) -> dict:
             shutil.rmtree(engines / "torch", ignore_errors=True)
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-u", __file__, "coldstart", str(engines)],
+            [sys.executable, "-u", __file__, "coldstart", str(engines), *sys.argv[2:]],
             capture_output=True,
             text=True,
         )
@@ -402,14 +477,11 @@ def session(final: bool) -> None:
 
     report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
     attempt(report, "build", build)
-    if not final and not TINY:
+    if not TINY:
         attempt(report, "crossover", crossover)
     run = Run("bf16")
-    engines = engine_dir(run)
-    if final:
-        attempt(report, "cold_start", cold_start, engines)
     started = time.perf_counter()
-    executor = attempt(report, "load", executor_for, run, engines)
+    executor = attempt(report, "load", executor_for, run)
     report["load_s"] = time.perf_counter() - started
     if isinstance(executor, dict):
         return
@@ -430,11 +502,27 @@ def session(final: bool) -> None:
     profile_text = report.pop("profile", {})
     save("profile.txt", "\n\n".join(f"## {k}\n{v}" for k, v in profile_text.items()))
     save("report.json", report)
+    summarise(report)
+
+
+def cold_session() -> None:
+    """Cold start alone (its two processes need the whole GPU): after `final`, same lease."""
+    report = {"environment": environment()}
+    attempt(report, "build", build)
+    attempt(report, "cold_start", cold_start, WORK / f"engines-{PRESET}-cold")
+    save("cold_start.json", report)
+    attempt(report, "parity_float32", parity_float32)
+    save("cold_start.json", report)
+    summarise(report)
+
+
+def summarise(report: dict) -> None:
     summary = [f"backend {report.get('backend')}, load {report.get('load_s', 0):.1f} s"]
     if isinstance(report.get("gpu_stages"), list):
         summary += ["GPU stages", latency_table(report["gpu_stages"])]
     if isinstance(report.get("requests"), list):
         reference = report.get("reference_fla")
+        reference = reference if isinstance(reference, list) else None
         summary += ["whole request", latency_table(report["requests"], reference)]
     for key in ("crossover", "invariance", "peak_memory", "cold_start", "parity_float32"):
         if key in report:
@@ -447,5 +535,11 @@ if __name__ == "__main__":
     mode = next((a for a in sys.argv[1:] if not a.startswith("--")), "dev")
     if mode == "coldstart":
         coldstart(sys.argv[2])
+    elif mode == "parity":
+        summarise({"parity_float32": parity_float32()})
+    elif mode == "refanswers":
+        reference_answers(sys.argv[2])
+    elif mode == "cold":
+        cold_session()
     else:
         session(final=mode == "final")

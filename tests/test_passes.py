@@ -11,7 +11,14 @@ import pytest
 
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from runtime.contract import compile_request
-from runtime.passes import OPTION_ROWS, QUESTION_ROWS, plan
+from runtime.passes import (
+    OPTION_ROWS,
+    OPTION_TOKENS,
+    QUESTION_ROWS,
+    QUESTION_TOKENS,
+    plan,
+    rows_for,
+)
 from runtime.processing import prepare
 from runtime.strict_json import parse_body
 from runtime.tokenizer import load_tokenizer
@@ -59,13 +66,22 @@ def rows_of(prepared, work, qid: str) -> list[dict]:
     return found + [options[k] for k in sorted(options)]
 
 
-def test_every_pass_has_the_fixed_row_count(tokenizer):
+def test_every_pass_has_its_buckets_row_count(tokenizer):
     prepared, work = planned(tokenizer, QUESTIONS)
-    assert {qp.rows.shape[0] for qp in work.questions} == {QUESTION_ROWS}
-    assert {op.rows.shape[0] for op in work.options} == {OPTION_ROWS}
+    for qp in work.questions:
+        length = qp.rows.shape[1]
+        assert qp.rows.shape[0] == rows_for(length, QUESTION_ROWS, QUESTION_TOKENS)
+    for op in work.options:
+        assert op.rows.shape[0] == rows_for(op.rows.shape[1], OPTION_ROWS, OPTION_TOKENS)
     assert len(work.questions) < len(QUESTIONS)  # questions share passes
     _, alone = planned(tokenizer, {"q0": QUESTIONS["q0"]})
-    assert [qp.rows.shape[0] for qp in alone.questions] == [QUESTION_ROWS]
+    assert [qp.rows.shape for qp in alone.questions] == [(QUESTION_ROWS, 16)]
+
+
+def test_rows_for_long_buckets():
+    assert rows_for(16, 16, 256) == 16 and rows_for(32, 16, 256) == 8
+    assert rows_for(8, 64, 512) == 64 and rows_for(24, 64, 512) == 16
+    assert rows_for(1000, 64, 512) == 1 and rows_for(16, 1, 256) == 1
 
 
 def test_a_questions_rows_are_the_same_alone_and_together(tokenizer):

@@ -43,6 +43,10 @@ ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
 LM_GRAPHS = ("lm_state", "lm_rows")
 VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
+# read by the readout, which runs after the captured body: a pass's graph is keyed by the body's
+# shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
+READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens")
+READOUT_OUTPUTS = ("hidden", "logprobs")
 
 
 def versions() -> dict[str, str | None]:
@@ -166,6 +170,8 @@ class TorchBackend:
         if self.artifacts is not None:
             use_caches(self.artifacts)
         self.fla = cuda and fla_importable()
+        if cuda and self.dtype == torch.float32:
+            torch.set_float32_matmul_precision("highest")  # no TF32: float32 parity needs it
         self.compiled = cuda if compile is None else compile
         graphs = config.on(config.cuda_graphs, cuda)
         self.config = read_config(checkpoint)
@@ -187,6 +193,7 @@ class TorchBackend:
             for graph in ("vision", *LM_GRAPHS)
         }
         self._dtypes = {graph: self.graph_dtypes(graph) for graph in ("vision", *LM_GRAPHS)}
+        self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -212,8 +219,12 @@ class TorchBackend:
                 layer.self_attn.attend = folded_attention
             else:
                 layer.linear_attn.core = "fla" if self.fla else "eager"
+        # fused attention only in half precision: its float32 kernels are not the reference's
+        # float32 arithmetic (float32 answers moved by up to 0.028 on the H200, tensor-core
+        # rounding suspected; the explicit products run at "highest" precision)
+        half = self.dtype in (torch.bfloat16, torch.float16)
         for block in self.vision.blocks:
-            block.sdpa = cuda
+            block.sdpa = cuda and half
         for module in (self.language, self.vision):
             module.requires_grad_(False)
 
@@ -271,26 +282,40 @@ class TorchBackend:
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self.checked(graph, feeds)
-        if self.device.type != "cuda":
-            results = self.compute(graph, feeds)
-            for name, out in outputs.items():
-                out.copy_(results[name])
+        if graph == "vision":
+            if self.device.type != "cuda":
+                outputs["image_features"].copy_(self.compute(graph, feeds)["image_features"])
+            else:
+                self.slots[graph].run(signature(graph, feeds), feeds, outputs)
             return
-        self.slots[graph].run(signature(graph, feeds), feeds, outputs)
+        body = {n: t for n, t in feeds.items() if n not in READOUT_INPUTS}
+        states = {n: t for n, t in outputs.items() if n not in READOUT_OUTPUTS}
+        if self.device.type != "cuda":
+            results = self.compute(graph, body)
+            for name, out in states.items():
+                out.copy_(results[name])
+        else:
+            results = self.slots[graph].run(signature(graph, body), body, states).outputs
+        flat = results["flat"]
+        outputs["hidden"].copy_(flat[feeds["read_rows"]])
+        outputs["logprobs"].copy_(self.readout(flat, feeds["target_rows"], feeds["target_tokens"]))
 
     def prepare(self, signatures: list[tuple]) -> int:
         """Compiles and captures each pass signature ahead of its first request, on stand-in
         feeds (zeros, every row one token long): a graph's work depends on shapes alone."""
         new = 0
-        for key in signatures:
-            graph, *specs = key
-            slots = self.slots[graph]
+        for given in signatures:
+            graph, *specs = given
+            feeds = {
+                name: stand_in(name, shape, dtype, self.device)
+                for name, shape, dtype in specs
+                if name not in READOUT_INPUTS
+            }
+            key, slots = signature(graph, feeds), self.slots[graph]
             if slots.get(key) is not None:
                 continue
-            feeds = {name: stand_in(name, shape, dt, self.device) for name, shape, dt in specs}
-            outputs = {}
             for _ in range(slots.warm_launches + 1):  # eager launches, then the capture
-                slots.run(key, feeds, outputs)
+                slots.run(key, feeds, {})
             new += 1
         return new
 
@@ -314,21 +339,28 @@ class TorchBackend:
         return used
 
     def bind(self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict) -> Slot:
-        """A slot's static inputs; its outputs are whatever the launch returned last (during a
-        capture: tensors of the graph's own pool, rewritten by every replay)."""
-        return Slot(inputs={name: torch.empty_like(t) for name, t in feeds.items()}, outputs={})
+        """A slot's static inputs, shared by every slot with an input of that name and shape
+        (passes run one at a time and each copies its feeds in just before its replay: one
+        0.8 GB recurrent-state buffer serves every option-pass shape of the 4b); its outputs are
+        whatever the launch returned last (during a capture: tensors of the graph's own pool,
+        rewritten by every replay)."""
+        inputs = {}
+        for name, tensor in feeds.items():
+            shared = (name, tuple(tensor.shape), tensor.dtype)
+            if shared not in self.buffers:
+                self.buffers[shared] = torch.empty_like(tensor)
+            inputs[name] = self.buffers[shared]
+        return Slot(inputs=inputs, outputs={})
 
     def launch(self, graph: str, slot: Slot) -> None:
         slot.outputs.update(self.compute(graph, slot.inputs))
 
     def compute(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One graph's body: the vision rows, or a pass's states and `flat` (every position
+        after the final norm, which the readouts read)."""
         if graph == "vision":
             return {"image_features": self.functions["vision"](*(feeds[n] for n in VISION_INPUTS))}
-        out = self.functions[graph](feeds)
-        flat = out.pop("flat")
-        out["hidden"] = flat[feeds["read_rows"]].float()
-        out["logprobs"] = self.readout(flat, feeds["target_rows"], feeds["target_tokens"])
-        return out
+        return self.functions[graph](feeds)
 
     def readout(
         self, flat: torch.Tensor, target_rows: torch.Tensor, tokens: torch.Tensor

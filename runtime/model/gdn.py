@@ -14,9 +14,11 @@ GDN_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk (model.md §3)
 STD_MAX_TOKENS = GDN_CHUNK  # the standard-op GDN graph is one chunk: passes of at most 64 tokens
 L2_EPS = 1e-6  # l2norm inside the kernel (use_qk_l2norm_in_kernel, model.md §3)
 # fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
-# one (engines.md §15: option rows of 4-8 tokens and question rows of 16 are short; the 640-token
-# prefix is long); the crossover is measured by scripts/gpu_torch.py
-FLA_RECURRENT_MAX_TOKENS = 16
+# one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
+# crossover, docs/measurements/h200-2026-12-01): recurrent faster only for 64 rows × 8 tokens
+# (0.20 against 0.27 ms); chunked faster from 16 tokens up (16 × 16: 0.08 against 0.10 ms,
+# 1 × 640: 0.08 against 0.70 ms)
+FLA_RECURRENT_MAX_TOKENS = 8
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
