@@ -281,7 +281,7 @@ def cli_engines(args) -> int:
     )
     for line in summary(manifests.read_manifest(engine_dir)):
         print(line)
-    if getattr(args, "torch_artifacts", False):  # on the GPU the caches are for
+    if args.torch_artifacts:  # on the GPU the caches are for
         record = build_torch_artifacts(args.checkpoint, args.out, args.dtype)
         print(f"torch caches: {record['files']} files, {record['seconds']} s, {record['versions']}")
     return 0

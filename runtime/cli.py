@@ -72,6 +72,11 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "engines":
         parser.add_argument("--skip-plans", action="store_true", help="ONNX only")
         parser.add_argument("--timing-cache", default=None, help="replay this timing cache")
+        parser.add_argument(
+            "--torch-artifacts",
+            action="store_true",
+            help="also fill the torch backend's compiler caches (on the GPU they are for)",
+        )
     if name in ("run", "serve", "parity", "bench"):
         parser.add_argument("--engines", required=True)
         config.add_arguments(parser)

@@ -22,6 +22,7 @@ from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MODEL_ID
 from runtime.images import NORMALIZED, device_pixel_values
 from runtime.lru import LRU
+from runtime.manifest import verify_engine_dir
 from runtime.passes import PREFIX_STEP, OptionPass, Pass, Plan, QuestionPass, bucket, plan
 from runtime.types import Prepared, PreparedImage, QuestionReadout
 
@@ -100,6 +101,8 @@ class Executor:
         self.heads = Heads.from_safetensors(Path(checkpoint) / "heads.safetensors")
         self.calibration = self.export.calibration
         self.config = config or RuntimeConfig.from_env()
+        # nothing of the engine directory is loaded before its manifest vouches for it
+        verify_engine_dir(engines, checkpoint)
         self.backend: Backend = choose_backend(Path(engines), self.config, Path(checkpoint))
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.config import QUESTION_BATCH
 from runtime.constants import VISION_END_ID as VISION_END
 from runtime.types import Prepared, QuestionLayout
 
@@ -25,7 +26,7 @@ OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-
 # size followed the number of questions moved answers by up to 0.055 in BF16 (the kernels
 # follow the batch shape; docs/measurements/h200-2026-11-30b). RuntimeConfig.question_batch is
 # the question passes' row count (QUESTION_ROWS where the caller has none).
-QUESTION_ROWS = 16  # the 12 speed-bench questions fit one pass
+QUESTION_ROWS = QUESTION_BATCH  # RuntimeConfig's default: the 12 speed-bench questions in one
 OPTION_ROWS = 64  # the reference's option chunk (model.md §8.4): 255 options in 4 passes
 # Longer buckets get fewer rows, so that one long question or option does not pay for a full
 # pass of its length (H200, 4b BF16: a 64 × 8 option pass took 18 ms, and one 18-token option

@@ -102,11 +102,17 @@ def build() -> dict:
 
 def engine_dir(run: Run) -> Path:
     """An engine directory naming the dtype (the torch backend needs no ONNX files)."""
+    from build_engines.engines import FORMAT, MANIFEST, checkpoint_record, write_manifest
+
     folder = WORK / f"engines-{PRESET}-{run.name}"
     folder.mkdir(parents=True, exist_ok=True)
-    manifest = folder / "engines.json"
-    if not manifest.exists():
-        manifest.write_text(json.dumps({"dtype": run.dtype}))
+    if not (folder / MANIFEST).exists():  # what a torch-only `omnijev engines` records
+        record = {
+            "format": FORMAT,
+            "dtype": run.dtype,
+            "checkpoint": checkpoint_record(WORK / f"{PRESET}-export"),
+        }
+        write_manifest(folder, record)
     return folder
 
 

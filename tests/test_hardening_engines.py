@@ -202,3 +202,18 @@ def test_a_changed_torch_compiler_cache_is_refused(copy: tuple[Path, Path]) -> N
     export, engines = copy
     (engines / "torch" / "inductor" / "kernel.py").write_text("import os\n")
     assert f"{engines / 'torch'}: sha256" in refused(engines, export)
+
+
+def test_the_executor_refuses_a_tampered_directory_before_loading_it(copy):
+    """The check runs at start-up, before any session reads a file: a changed ONNX file and a
+    missing manifest stop `load_engine` with a message naming the file."""
+    from runtime.executor import load_engine
+
+    export, engines = copy
+    path = some_onnx(engines)
+    path.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(EngineDirError, match=path.name):
+        load_engine(str(export), str(engines), "onnxruntime")
+    (engines / MANIFEST).unlink()
+    with pytest.raises(EngineDirError, match="engines.json: missing"):
+        load_engine(str(export), str(engines), "onnxruntime")

@@ -135,7 +135,7 @@ def test_readout_pieces_match_the_plugin_arithmetic():
     assert torch.allclose(got, token_logprobs_std(rows, embedding, tokens), atol=1e-6)
 
 
-def test_artifacts_made_with_other_versions_are_refused(tmp_path):
+def test_artifacts_made_with_other_versions_are_refused(tmp_path, monkeypatch):
     from runtime.backends.compiled import check_artifacts, versions
 
     assert check_artifacts(tmp_path) is None
@@ -145,7 +145,15 @@ def test_artifacts_made_with_other_versions_are_refused(tmp_path):
     )
     with pytest.raises(RuntimeError, match="made with torch 0.0.1"):
         check_artifacts(tmp_path)
-    (tmp_path / "engines.json").write_text(
-        json.dumps({"torch": {"dir": "torch", "versions": versions()}})
-    )
-    assert check_artifacts(tmp_path) == tmp_path / "torch"
+    record = {"dir": "torch", "versions": versions(), "sha256": "ab" * 32}
+    (tmp_path / "engines.json").write_text(json.dumps({"torch": record}))
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "entry").write_text("compiled")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    # this process compiles into a copy: the engine directory stays as its manifest records it
+    private = check_artifacts(tmp_path)
+    assert private == tmp_path / "home" / "omnijev" / "torch-caches" / ("ab" * 16)
+    assert (private / "entry").read_text() == "compiled"
+    (private / "new").write_text("a cache miss")
+    assert not (tmp_path / "torch" / "new").exists()
+    assert check_artifacts(tmp_path) == private  # copied once per tree digest

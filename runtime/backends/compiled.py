@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -112,7 +113,23 @@ def check_artifacts(engines_dir: Path) -> Path | None:
                 f"torch engine artifacts were made with {name} {made_with}, "
                 f"this process has {installed.get(name)}: rebuild them with `omnijev engines`"
             )
-    return engines_dir / recorded["dir"]
+    return private_caches(engines_dir / recorded["dir"], recorded["sha256"])
+
+
+def private_caches(folder: Path, digest: str) -> Path:
+    """A copy of the engine directory's verified caches that this process's compilations may
+    add to: the engine directory stays as built, so `verify_engine_dir` accepts it next time.
+    Kept per tree digest under the user's cache folder; copied once."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    target = base / "omnijev" / "torch-caches" / digest[:32]
+    if not target.is_dir():
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        shutil.copytree(folder, partial, dirs_exist_ok=True)
+        try:
+            partial.rename(target)
+        except OSError:  # a concurrent start won: its copy is the same
+            shutil.rmtree(partial, ignore_errors=True)
+    return target
 
 
 def use_caches(folder: Path) -> None:
