@@ -6,7 +6,6 @@ read from /proc; the bodies come from a seeded generator, so a failure can be re
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import random
@@ -19,6 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.server_helpers import SubprocessServer, data_url, decision, png_bytes, wait_ready
+from tools.fuzz import WORDS, mutated, nested, random_json
 
 DECIDE = "/v1/systemone"
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -33,12 +33,6 @@ RSS_GROWTH_KIB = 20 * 1024  # the brief's bound on growth over 1,000 bad request
 # requests and then stays flat; a fixed threshold lets RSS show leaks instead of that cache
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 MiB = 1024 * 1024
-WORDS = [
-    "model", "state", "images", "questions", "type", "instructions", "options", "criteria",
-    "levels", "region", "box", "key", "text", "abstain", "noul", "choice", "score", "omnijev",
-    "tinnel123/OmniJev", "<|opt|>", "<|vision_end|>", "<|im_end|>", "", "é", "😀", "\u0000",
-    "data:image/png;base64,", "x" * 300,
-]  # fmt: skip
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -89,51 +83,6 @@ def hostile_images() -> list[str]:
         "http://127.0.0.1/image.png",
         "",
     ]
-
-
-def random_json(rng: random.Random, depth: int = 0) -> object:
-    roll = rng.random()
-    if depth >= 4 or roll < 0.45:
-        return rng.choice(
-            [None, True, False, 0, -1, 2**70, 1e308, -0.0, 0.5, rng.choice(WORDS), [0, 0, 1, 1]]
-        )
-    if roll < 0.7:
-        return [random_json(rng, depth + 1) for _ in range(rng.randrange(5))]
-    return {rng.choice(WORDS): random_json(rng, depth + 1) for _ in range(rng.randrange(5))}
-
-
-def paths(value: object, prefix: tuple = ()) -> Iterator[tuple]:
-    """Every path into a nested request, the root included."""
-    yield prefix
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from paths(item, (*prefix, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from paths(item, (*prefix, index))
-
-
-def mutated(rng: random.Random, request: dict) -> object:
-    """The request with one node replaced by a random value, deleted, or given a stray key."""
-    body = copy.deepcopy(request)
-    path = rng.choice(list(paths(body))[1:])
-    parent = body
-    for step in path[:-1]:
-        parent = parent[step]
-    action = rng.choice(("replace", "replace", "delete", "add"))
-    if action == "replace":
-        parent[path[-1]] = random_json(rng)
-    elif action == "delete":
-        del parent[path[-1]]
-    elif isinstance(parent, dict):
-        parent[rng.choice(WORDS)] = random_json(rng)
-    else:
-        parent.append(random_json(rng))
-    return body
-
-
-def nested(depth: int) -> bytes:
-    return b'{"questions": ' + b'{"q": ' * depth + b"1" + b"}" * depth + b"}"
 
 
 def large_and_deep() -> list[bytes]:

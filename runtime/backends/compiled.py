@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.backends.graphs import GraphSlots, Slot, signature
+from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig
 from runtime.constants import DTYPES
 from runtime.model.language import folded_attention, lm_input_names, lm_output_names, pass_body
@@ -345,15 +345,7 @@ class TorchBackend:
     # -- passes -----------------------------------------------------------------------------
 
     def checked(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        expected = self._dtypes[graph]
-        used = {}
-        for name, tensor in feeds.items():
-            if name not in expected:
-                continue
-            if tensor.dtype != expected[name] or tensor.device != self.device:
-                raise ValueError(f"{graph} input {name}: {tensor.dtype} on {tensor.device}")
-            used[name] = tensor
-        return used
+        return checked_feeds(graph, feeds, self._dtypes[graph], self.device)
 
     def bind(self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict) -> Slot:
         """A slot's static inputs, shared by every slot with an input of that name and shape

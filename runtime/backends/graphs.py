@@ -36,6 +36,24 @@ class Slot:
     meta: dict = field(default_factory=dict)
 
 
+def checked_feeds(
+    graph: str,
+    feeds: dict[str, torch.Tensor],
+    expected: dict[str, torch.dtype],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The feeds the graph takes (others dropped), contiguous, each of the graph's dtype on the
+    backend's device; anything else is refused with the input's name."""
+    used = {}
+    for name, tensor in feeds.items():
+        if name not in expected:
+            continue
+        if tensor.dtype != expected[name] or tensor.device != device:
+            raise ValueError(f"{graph} input {name}: {tensor.dtype} on {tensor.device}")
+        used[name] = tensor.contiguous()
+    return used
+
+
 def signature(graph: str, feeds: dict[str, torch.Tensor]) -> Signature:
     """The key a pass's buffers and graph are kept under: every feed's name, shape and dtype."""
     return (graph, *((name, tuple(t.shape), t.dtype) for name, t in feeds.items()))

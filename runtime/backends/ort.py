@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from runtime.backends.graphs import GraphSlots, Slot, like
+from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, like
 from runtime.config import RuntimeConfig
 from runtime.constants import GRAPHS
 from runtime.manifest import ONNX_ORT
@@ -319,15 +319,7 @@ class OrtBackend:
         return [o.name for o in self.sessions[graph].get_outputs()]
 
     def _checked(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        expected = self._dtypes[graph]
-        used = {}
-        for name, tensor in feeds.items():
-            if name not in expected:
-                continue
-            if tensor.dtype != expected[name] or tensor.device != self.device:
-                raise ValueError(f"{graph} input {name}: {tensor.dtype} on {tensor.device}")
-            used[name] = tensor.contiguous()
-        return used
+        return checked_feeds(graph, feeds, self._dtypes[graph], self.device)
 
     def _fixed(self, graph: str, shapes: tuple) -> bool:
         """Whether this pass (of this `signature`) runs in a session with its dimensions fixed."""
