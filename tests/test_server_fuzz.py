@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.server_helpers import SubprocessServer, data_url, decision, png_bytes, wait_ready
-from tools.fuzz import WORDS, mutated, nested, random_json
+from tools.fuzz import bad_bodies, nested
 
 DECIDE = "/v1/systemone"
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -104,28 +104,6 @@ def large_and_deep() -> list[bytes]:
     bodies.append(nested(10_000))
     bodies.append(b'{"a": "' + b"\\ud800" * 10_000 + b'"}')
     return bodies
-
-
-def bad_bodies(rng: random.Random, count: int) -> Iterator[bytes]:
-    """A seeded stream of bad bodies: random shapes, mutations, hostile images, broken bytes."""
-    valid = decision()
-    images = hostile_images()
-    for _ in range(count):
-        kind = rng.randrange(5)
-        if kind == 0:
-            body = json.dumps(random_json(rng), ensure_ascii=rng.random() < 0.5).encode()
-        elif kind == 1:
-            body = json.dumps(mutated(rng, valid)).encode()
-        elif kind == 2:
-            body = json.dumps(decision(image=rng.choice(images))).encode()
-        elif kind == 3:
-            raw = bytearray(json.dumps(valid).encode())
-            for _ in range(rng.randrange(1, 4)):
-                raw[rng.randrange(len(raw))] = rng.randrange(256)
-            body = bytes(raw[: rng.randrange(1, len(raw) + 1)])
-        else:
-            body = json.dumps({rng.choice(WORDS): random_json(rng)}).encode()
-        yield body
 
 
 def send(client: httpx.Client, body: bytes) -> httpx.Response:
