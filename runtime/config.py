@@ -8,6 +8,7 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 PREFIX = "OMNIJEV_"
 PREFIX_CACHE = 8  # image prefixes kept: several questions about one screenshot are common
@@ -63,6 +64,12 @@ class RuntimeConfig:
     def on(self, setting: bool | None, cuda: bool) -> bool:
         """A device-decided setting: as given, else on exactly on CUDA."""
         return cuda if setting is None else setting
+
+
+def cache_home() -> Path:
+    """Where the runtime keeps what it builds for itself (tokenizer files, private copies of
+    compiler caches): `$XDG_CACHE_HOME/omnijev`, else `~/.cache/omnijev`."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnijev"
 
 
 def parse(name: str, raw: str, kind: object) -> object:

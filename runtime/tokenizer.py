@@ -19,6 +19,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from runtime.config import cache_home
 from runtime.constants import SPECIAL_IDS
 
 # Bumped whenever the built JSON changes for the same resources, so that stale caches are rebuilt.
@@ -177,15 +178,10 @@ def _resources_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "omnijev"
-
-
 @functools.cache
 def _cached_json_path() -> Path:
     """The built-in `tokenizer.json`, built on first use; written atomically for parallel runs."""
-    path = cache_dir() / f"tokenizer-{_resources_key()}.json"
+    path = cache_home() / f"tokenizer-{_resources_key()}.json"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
-from runtime.config import RuntimeConfig
+from runtime.config import RuntimeConfig, cache_home
 from runtime.constants import DTYPES
 from runtime.model.language import folded_attention, lm_input_names, lm_output_names, pass_body
 
@@ -120,8 +120,7 @@ def private_caches(folder: Path, digest: str) -> Path:
     """A copy of the engine directory's verified caches that this process's compilations may
     add to: the engine directory stays as built, so `verify_engine_dir` accepts it next time.
     Kept per tree digest under the user's cache folder; copied once."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "omnijev" / "torch-caches" / digest[:32]
+    target = cache_home() / "torch-caches" / digest[:32]
     if not target.is_dir():
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         shutil.copytree(folder, partial, dirs_exist_ok=True)
