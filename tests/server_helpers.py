@@ -8,9 +8,7 @@ Run as `python -m tests.server_helpers`, it serves a RealishEngine in a process 
 from __future__ import annotations
 
 import argparse
-import base64
 import functools
-import io
 import os
 import socket
 import subprocess
@@ -23,7 +21,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-from PIL import Image
 
 from runtime.contract import compile_request
 from runtime.executor import warm_up_request
@@ -31,6 +28,8 @@ from runtime.processing import prepare
 from runtime.tokenizer import load_tokenizer
 from runtime.types import Prepared
 from server.app import Engine, ListeningServer, create_app, worker_config
+from tools import fuzz
+from tools.fuzz import data_url, png_bytes  # noqa: F401 - the tests import them from here
 
 MODEL_ID = "tinnel123/OmniJev"  # contract.md §1.3
 FAIL = "make execute fail"  # instructions that make RealishEngine.execute raise
@@ -125,26 +124,9 @@ def builtin_tokenizer() -> object:
     return load_tokenizer(None)
 
 
-def png_bytes(width: int, height: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), (30, 60, 90)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
 def decision(questions: dict | None = None, image: str | None = None) -> dict:
-    """A valid request: questions in an order that is not sorted, of every type."""
-    if questions is None:
-        questions = {
-            "zeta": {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": "B"}},
-            "alpha": {"type": "score", "instructions": "How much?", "levels": ["low", "high"]},
-            "mid": {"type": "noul", "instructions": "Is it there?"},
-        }
-    image = data_url(png_bytes(32, 32)) if image is None else image
-    return {"model": MODEL_ID, "state": {"images": [image]}, "questions": questions}
+    """A valid request: questions in an order that is not sorted, of every type, 32×32 image."""
+    return fuzz.decision(questions, image, size=(32, 32))
 
 
 def wait(gate: threading.Semaphore | None, stage: str) -> None:

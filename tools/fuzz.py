@@ -76,15 +76,18 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def decision(questions: dict | None = None, image: str | None = None) -> dict:
-    """A valid request with one question of each type."""
+def decision(
+    questions: dict | None = None, image: str | None = None, size: tuple[int, int] = (64, 48)
+) -> dict:
+    """A valid request with one question of each type, in an order that is not sorted; without
+    `image`, a plain PNG of `size`."""
     if questions is None:
         questions = {
             "zeta": {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": "B"}},
             "alpha": {"type": "score", "instructions": "How much?", "levels": ["low", "high"]},
             "mid": {"type": "noul", "instructions": "Is it there?"},
         }
-    image = data_url(png_bytes(64, 48)) if image is None else image
+    image = data_url(png_bytes(*size)) if image is None else image
     return {"model": MODEL_ID, "state": {"images": [image]}, "questions": questions}
 
 
