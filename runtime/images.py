@@ -3,11 +3,16 @@ reference's `Image.open(...).convert("RGB")` and its Qwen2-VL image processor un
 
 A PNG's chunks are walked and bounded before Pillow reads them, and a request's image is opened
 by Pillow once: the contract's header check hands its open image to the decode (`OpenedImage`).
+An 8-bit RGB, RGBA or gray PNG that Pillow has opened is decoded by libdeflate and libspng
+instead of Pillow (`fast_png`, issue 13): the same bytes, a quarter of the time, and without the
+GIL; anything else, and anything they refuse, goes through Pillow as before.
 """
 
 from __future__ import annotations
 
 import binascii
+import ctypes
+import functools
 import io
 import math
 import re
@@ -15,6 +20,7 @@ import struct
 import threading
 import warnings
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 from PIL import Image
@@ -80,6 +86,28 @@ warnings.filterwarnings(
 )
 
 # standard base64's alphabet: a character's 6-bit value, for the canonical-padding check
+# The PNG fast path (`fast_png`). Pillow opens the file as ever (chunks before the image data,
+# their CRCs, the mode); then libdeflate inflates the image data (0.2 against 8 ms for zlib on
+# the bench still) and libspng unfilters it, fed a PNG of stored deflate blocks: 4-5 ms against
+# Pillow's 12 on the 2-core CI machine. Pillow's tile raw mode names what it would decode:
+# `(mode, raw mode)` -> (PNG colour type, channels of the image data, libspng format). 16-bit,
+# sub-byte and palette images, and interlaced ones, stay with Pillow.
+FAST_PNG_MODES = {
+    ("RGB", "RGB"): (2, 3, "RGB8"),
+    ("RGBA", "RGBA"): (6, 4, "RGB8"),  # libspng drops alpha as convert("RGB") does
+    ("L", "L"): (0, 1, "G8"),  # convert("RGB") repeats the gray level
+}
+PNG_FILTERS = 4  # filter types 0-4 (PNG §9.2); Pillow refuses any other, so falls back
+STORED_BLOCK = 65_535  # the largest stored deflate block (RFC 1951 §3.2.4)
+ZLIB_HEADER = 0x78  # deflate with a 32 KiB window (RFC 1950): zlib's limits are libdeflate's
+# libspng's constants (spng.h, 0.7.4, the version pyspng 0.1.4 bundles)
+SPNG_CTX_IGNORE_ADLER32 = 1  # the stored stream carries no checksum; libdeflate checked the real
+SPNG_CRC_USE = 2  # nor do its chunks carry CRCs
+SPNG_FORMATS = {"RGB8": 4, "G8": 64}
+# A decode thread keeps its stored-stream buffer for the next image up to this size (the bench
+# still needs 4.3 MB); a larger image takes a buffer of its own.
+SCRATCH_BYTES = 16 * 1024 * 1024
+
 BASE64_VALUES = {
     c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
 }
@@ -270,6 +298,9 @@ def decode_rgb(data: bytes, mime: str, opened: OpenedImage | None = None) -> np.
         width, height = image.size
         if width * height * PILLOW_PEAK_BYTES_PER_PIXEL > MAX_DECODE_BYTES:
             raise ContractError(INVALID_IMAGE)
+        fast = fast_png(data, image) if mime == "image/png" else None
+        if fast is not None:
+            return fast
         try:
             image.load()
             if image.mode == "RGB":
@@ -278,6 +309,163 @@ def decode_rgb(data: bytes, mime: str, opened: OpenedImage | None = None) -> np.
                 return np.asarray(rgb)
         except Exception:  # truncated or corrupt pixel data
             raise ContractError(INVALID_IMAGE) from None
+
+
+class Libspng:
+    """libspng's decoder through ctypes: pyspng's extension exports its C API, and a ctypes call
+    releases the GIL (pyspng's own `load` holds it and copies the input)."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        pointer, size = ctypes.c_void_p, ctypes.c_size_t
+        lib.spng_ctx_new.restype = pointer
+        lib.spng_ctx_new.argtypes = [ctypes.c_int]
+        lib.spng_ctx_free.argtypes = [pointer]
+        lib.spng_set_crc_action.argtypes = [pointer, ctypes.c_int, ctypes.c_int]
+        lib.spng_set_png_buffer.argtypes = [pointer, pointer, size]
+        lib.spng_decode_image.argtypes = [pointer, pointer, size, ctypes.c_int, ctypes.c_int]
+        self.lib = lib
+
+    def decode(self, png: np.ndarray, out: np.ndarray, fmt: int) -> bool:
+        """Decodes the PNG in `png` into `out` (its exact size); False where libspng refuses."""
+        lib = self.lib
+        ctx = lib.spng_ctx_new(SPNG_CTX_IGNORE_ADLER32)
+        if not ctx:
+            return False
+        try:
+            lib.spng_set_crc_action(ctx, SPNG_CRC_USE, SPNG_CRC_USE)
+            if lib.spng_set_png_buffer(ctx, png.ctypes.data, png.nbytes):
+                return False
+            return lib.spng_decode_image(ctx, out.ctypes.data, out.nbytes, fmt, 0) == 0
+        finally:
+            lib.spng_ctx_free(ctx)
+
+
+@functools.cache
+def fast_png_codecs() -> tuple[Callable[[bytes, int], bytes], Libspng] | None:
+    """libdeflate's zlib inflate and libspng, or None where either is missing (Pillow then)."""
+    try:
+        import deflate
+        from pyspng import _pyspng_c
+    except ImportError:
+        return None
+
+    def inflate(stream: bytes, size: int) -> bytes:
+        try:
+            return deflate.zlib_decompress(stream, size)
+        except deflate.DeflateError:
+            return b""
+
+    try:
+        return inflate, Libspng(_pyspng_c.__file__)
+    except (OSError, AttributeError):
+        return None
+
+
+def fast_png(data: bytes, image: Image.Image) -> np.ndarray | None:
+    """`convert("RGB")` of an opened, unloaded 8-bit RGB, RGBA or gray PNG by libdeflate and
+    libspng, or None where Pillow must decode it (other modes, interlace, image data that is not
+    one run of IDAT chunks then IEND, a stream either library refuses).
+
+    Byte for byte Pillow's: Pillow has read every chunk before the image data; the run of IDAT
+    chunks ends in IEND, so Pillow's `load_end` reads nothing more; libdeflate takes only a
+    complete zlib stream of a 32 KiB window with its checksum, inflating to exactly the rows
+    (Pillow reads those bytes and stops); the filter types are checked; libspng unfilters them.
+    """
+    codecs = fast_png_codecs()
+    if codecs is None or len(image.tile) != 1 or image.info.get("interlace"):
+        return None
+    tile = image.tile[0]
+    width, height = image.size
+    fast = FAST_PNG_MODES.get((image.mode, tile.args if isinstance(tile.args, str) else None))
+    if fast is None or tile.codec_name != "zip" or tuple(tile.extents) != (0, 0, width, height):
+        return None
+    colour_type, channels, spng_format = fast
+    stream = idat_stream(data, tile.offset - CHUNK_HEAD.size)
+    if stream is None or len(stream) < 2 or stream[0] != ZLIB_HEADER:
+        return None
+    stride = 1 + width * channels
+    inflate, libspng = codecs
+    raw = inflate(stream, height * stride)
+    if len(raw) != height * stride:
+        return None
+    if np.frombuffer(raw, np.uint8)[::stride].max() > PNG_FILTERS:
+        return None
+    png = stored_png(raw, width, height, colour_type)
+    if spng_format == "G8":
+        gray = np.empty((height, width), np.uint8)
+        if not libspng.decode(png, gray, SPNG_FORMATS["G8"]):
+            return None
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    rgb = np.empty((height, width, 3), np.uint8)
+    return rgb if libspng.decode(png, rgb, SPNG_FORMATS[spng_format]) else None
+
+
+def idat_stream(data: bytes, position: int) -> bytes | None:
+    """The image data of the run of IDAT chunks at `position`, if IEND's header follows it."""
+    view, pieces = memoryview(data), []
+    while position + CHUNK_HEAD.size <= len(data):
+        length, kind = CHUNK_HEAD.unpack_from(data, position)
+        if kind != b"IDAT":
+            return b"".join(pieces) if kind == b"IEND" and pieces else None
+        start = position + CHUNK_HEAD.size
+        if start + length + 4 > len(data):
+            return None
+        pieces.append(view[start : start + length])
+        position = start + length + 4
+    return None
+
+
+_scratch = threading.local()
+
+
+def stored_png(raw: bytes, width: int, height: int, colour_type: int) -> np.ndarray:
+    """A PNG of `raw` (filtered scanlines) in stored deflate blocks: signature, IHDR, one IDAT,
+    IEND. Neither the zlib checksum nor the IDAT CRC is written (libspng is told to skip them)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
+    size, blocks = len(raw), max(1, -(-len(raw) // STORED_BLOCK))
+    body = 2 + 5 * blocks + size + 4
+    head = b"".join(
+        [
+            MAGIC["image/png"],
+            CHUNK_HEAD.pack(len(ihdr), b"IHDR"),
+            ihdr,
+            struct.pack(">I", zlib.crc32(b"IHDR" + ihdr)),
+            CHUNK_HEAD.pack(body, b"IDAT"),
+            bytes([ZLIB_HEADER, 0x01]),
+        ]
+    )
+    tail = bytes(8) + CHUNK_HEAD.pack(0, b"IEND") + struct.pack(">I", zlib.crc32(b"IEND"))
+    total = len(head) + 5 * blocks + size + len(tail)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < total:
+        buffer = np.empty(total, np.uint8)
+        if total <= SCRATCH_BYTES:
+            _scratch.buffer = buffer
+    png = buffer[:total]
+    png[: len(head)] = np.frombuffer(head, np.uint8)
+    source = np.frombuffer(raw, np.uint8)
+    full = size // STORED_BLOCK
+    at = len(head)
+    if full:
+        whole = png[at : at + full * (STORED_BLOCK + 5)].reshape(full, STORED_BLOCK + 5)
+        whole[:, 5:] = source[: full * STORED_BLOCK].reshape(full, STORED_BLOCK)
+        whole[:, :5] = np.frombuffer(stored_header(STORED_BLOCK, False), np.uint8)
+        at += full * (STORED_BLOCK + 5)
+    rest = size - full * STORED_BLOCK
+    if rest or not full:
+        png[at : at + 5] = np.frombuffer(stored_header(rest, True), np.uint8)
+        png[at + 5 : at + 5 + rest] = source[full * STORED_BLOCK :]
+        at += 5 + rest
+    else:
+        png[at - (STORED_BLOCK + 5)] = 1  # BFINAL on the last whole block
+    png[at:] = np.frombuffer(tail, np.uint8)
+    return png
+
+
+def stored_header(length: int, final: bool) -> bytes:
+    """A stored deflate block's header: BFINAL/BTYPE byte, LEN and NLEN (RFC 1951 §3.2.4)."""
+    return struct.pack("<BHH", int(final), length, length ^ 0xFFFF)
 
 
 def check_single_frame(image: Image.Image) -> None:
