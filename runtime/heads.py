@@ -36,7 +36,11 @@ ORDINAL_FLOOR = np.float32(1e-8)  # OrdinalScoreHead clamps each level probabili
 SQRT_HALF = math.sqrt(0.5)
 # The MLPs whose first Linear reads D-wide rows (the large weights): `questions_mu` runs each of
 # them over every question before the next. 12 questions, 4b-sized heads, 2-core CI machine:
-# 17.7 ms of CPU question by question, 11.5 ms layer by layer.
+# 17.7 ms of CPU question by question, 11.5 ms layer by layer. What is left is MKL's sgemm for
+# a few rows: ~0.15 ms for one row and ~0.5 ms for 4-5 rows against a 10 MiB weight, whatever
+# the order (issue 13). Stacking several questions' rows into one product would read each weight
+# once, but MKL rounds a row differently for 1, 2, 3, 5, 6, 7 ... rows (measured: torch 2.13,
+# MKL 2024.2, AVX-512), and so would a transposed weight: each question keeps its own products.
 FIRST_LINEAR_ORDER = ("head.que", "head.opt", "ord.z", "ord.cut")
 
 
@@ -201,8 +205,11 @@ class Heads:
             return torch.nn.functional.linear(inputs, weight, bias).numpy()
 
     def _mlp(self, name: str, x: np.ndarray, first: dict | None = None) -> np.ndarray:
-        """Linear → exact GELU → Linear; `first` may hold the first Linear's output already."""
-        inner = first.get(name) if first else None
+        """Linear → exact GELU → Linear; `first` may hold the MLP's output already (`{name}`),
+        or its first Linear's (`{name}.0`)."""
+        if first and name in first:
+            return first[name]
+        inner = first.get(f"{name}.0") if first else None
         if inner is None:
             inner = self._dense(f"{name}.0", x)
         return self._dense(f"{name}.2", gelu(inner))
@@ -352,20 +359,26 @@ def questions_mu(
     ordinal: bool = True,
     lm_feats: bool = True,
 ) -> list[np.ndarray]:
-    """`question_mu` of several (type, readout) pairs, each MLP's first Linear applied to every
-    question in turn, so that its weights (10 MiB at D = 2560) are read from memory once rather
-    than once a question. Every Linear call and its input are `question_mu`'s own: the same bytes,
-    and the same refusals in the same order."""
+    """`question_mu` of several (type, readout) pairs, each MLP's Linears applied to every
+    question in turn (first Linears, then second ones), so that a weight (10 MiB at D = 2560)
+    is read from memory once rather than once a question. Every Linear call and its input are
+    `question_mu`'s own, one question at a time: the same bytes, never a product over several
+    questions' rows, and the same refusals in the same order."""
     wanted = [
         heads.first_inputs(kind, readout, ordinal) if kind in TYPE_IDS else {}
         for kind, readout in items
     ]
-    first: list[dict] = [{} for _ in items]
-    for name in FIRST_LINEAR_ORDER:
-        for inputs, made in zip(wanted, first, strict=True):
-            if name in inputs:
-                made[name] = heads._dense(f"{name}.0", inputs[name])
-    return [
-        question_mu(heads, kind, readout, ordinal, lm_feats, made)
-        for (kind, readout), made in zip(items, first, strict=True)
-    ]
+    made: list[dict] = [{} for _ in items]
+    with torch.inference_mode(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for name in FIRST_LINEAR_ORDER:
+            for inputs, outputs in zip(wanted, made, strict=True):
+                if name in inputs:
+                    outputs[f"{name}.0"] = heads._dense(f"{name}.0", inputs[name])
+        for name in FIRST_LINEAR_ORDER:
+            for outputs in made:
+                if f"{name}.0" in outputs:
+                    outputs[name] = heads._dense(f"{name}.2", gelu(outputs[f"{name}.0"]))
+        return [
+            question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
+            for (kind, readout), outputs in zip(items, made, strict=True)
+        ]
