@@ -1,8 +1,11 @@
-"""Admission and scheduling of decision requests: 16 admitted, 2 preparing, 1 executing.
+"""Admission and scheduling of decision requests: 16 admitted, 2 preparing, 1 executing, and
+the heads and finishing of executed requests on threads of their own.
 
 Follows the later native worker's main.rs (contract.md §1.6): the admission slot belongs to the
 scheduled work, so a request whose client went away counts until its work ends, and a request
-still waiting when its client goes away is dropped without running.
+still waiting when its client goes away is dropped without running. Unlike it, the execution
+permit covers the model's passes only: a request's heads, finishing and response JSON run after
+it is handed on (`respond`), beside the next request's passes (issue 13).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from typing import Any, TypeVar
 
 ADMITTED = 16  # contract.md §1.6
 PREPARING = 2  # contract.md §1.6
+# threads for heads, finishing and the response JSON of executed requests (issue 13): one runs
+# beside each execution, a second covers a request answered while the previous one still is
+RESPONDING = 2
 
 T = TypeVar("T")
 
@@ -41,7 +47,9 @@ class Scheduler:
     Every method runs on the event loop; the work itself runs in the scheduler's own threads.
     """
 
-    def __init__(self, admitted: int = ADMITTED, preparing: int = PREPARING) -> None:
+    def __init__(
+        self, admitted: int = ADMITTED, preparing: int = PREPARING, responding: int = RESPONDING
+    ) -> None:
         self.limit = admitted
         self.admitted = 0
         self.preparing = 0
@@ -51,6 +59,7 @@ class Scheduler:
         self._execute_permit = asyncio.Semaphore(1)  # FIFO: waiters are woken in arrival order
         self._prepare_pool = ThreadPoolExecutor(preparing, thread_name_prefix="omnijev-prepare")
         self._execute_pool = ThreadPoolExecutor(1, thread_name_prefix="omnijev-execute")
+        self._respond_pool = ThreadPoolExecutor(responding, thread_name_prefix="omnijev-respond")
 
     def admit(self, work: Callable[[Ticket], Awaitable[T]]) -> Ticket | None:
         """Start `work` in its own task if fewer than `limit` requests are admitted, else None.
@@ -94,6 +103,17 @@ class Scheduler:
         finally:
             ticket.execute_s = time.perf_counter() - start
 
+    async def respond(self, ticket: Ticket, fn: Callable[[Any], T], arg: Any) -> T:
+        """Run `fn(arg)` on a responding thread, after `execute`, without the execution permit:
+        the request's heads and finishing run while the next request executes. Its seconds count
+        toward the ticket's `execute_s`."""
+        start = time.perf_counter()
+        future = asyncio.get_running_loop().run_in_executor(self._respond_pool, fn, arg)
+        try:
+            return await asyncio.shield(future)
+        finally:
+            ticket.execute_s = (ticket.execute_s or 0.0) + time.perf_counter() - start
+
     async def _acquire(self, slot: asyncio.Semaphore, ticket: Ticket) -> None:
         """Wait for `slot`, or raise Dropped if the client goes away first."""
         start = time.perf_counter()
@@ -135,3 +155,4 @@ class Scheduler:
             await asyncio.wait(set(self._tasks))
         self._prepare_pool.shutdown(wait=True)
         self._execute_pool.shutdown(wait=True)
+        self._respond_pool.shutdown(wait=True)

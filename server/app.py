@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -60,6 +61,11 @@ LARGE_BODY = 1024 * 1024
 UPLOADS = 1
 UPLOAD_WAIT_S = 5.0  # a large body waits this long for its slot, unread, then gets 503 busy
 SMALL_PARSERS = 2  # threads parsing the small bodies, apart from the large ones
+# How long a thread running Python holds the GIL before one that waits gets it (CPython's
+# default is 5 ms): the execution thread launches the GPU's work in short bursts between the
+# preparing and responding threads' Python (tokens, layout, heads), so it should wait ~1 ms at
+# most, not 5 (issue 13's overlap).
+GIL_SWITCH_S = 0.001
 # the Host header must name one of these (a browser page elsewhere cannot reach the worker);
 # OMNIJEV_ALLOWED_HOSTS="a,b" replaces them, "*" allows any
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -82,6 +88,11 @@ class Engine(Protocol):
     def execute(self, prepared: Prepared) -> dict:
         """The response object; any exception is a failed execution (500)."""
         ...
+
+    # An engine may also split `execute` in two (runtime.executor.Executor does):
+    # `readouts(prepared)`, the model's passes, which hold the execution thread, and
+    # `respond(prepared, readouts, seconds)`, heads and finishing (`seconds`: the passes' time),
+    # which the worker runs beside the next request's passes (`Worker.execute`).
 
     def warm_up_request(self) -> dict:
         """The warm-up request body of contract.md §1.2."""
@@ -427,7 +438,7 @@ class Worker:
         for body in [None, *self.warm_ups]:
             ticket = Ticket()
             prepared = await self.scheduler.prepare(ticket, self._prepare_warm_up, body)
-            await self.scheduler.execute(ticket, self.engine.execute, prepared)
+            await self.execute(ticket, prepared)
 
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)
@@ -438,8 +449,7 @@ class Worker:
             prepared = await self.scheduler.prepare(ticket, self.engine.prepare, obj)
             record.input_tokens = prepared.input_tokens
             record.questions = len(prepared.questions)
-            response = await self.scheduler.execute(ticket, self.engine.execute, prepared)
-            body, status = encode(response), 200
+            body, status = await self.execute(ticket, prepared), 200
         except Dropped:
             record.outcome = "dropped"
             return 499, b""  # nginx's "client closed request"; nobody reads it
@@ -451,6 +461,32 @@ class Worker:
         if ticket.gone.is_set():
             record.outcome = "client gone"
         return status, body
+
+    def split(self) -> bool:
+        """Whether the engine has `readouts` and `respond` (see `Engine`)."""
+        engine = self.engine
+        return callable(getattr(engine, "readouts", None)) and callable(
+            getattr(engine, "respond", None)
+        )
+
+    async def execute(self, ticket: Ticket, prepared: Prepared) -> bytes:
+        """The response JSON of a prepared request. With a split engine the execution thread
+        runs only the passes; heads, finishing and the JSON run on a responding thread while
+        the next request's passes run (issue 13), with the same answer bytes as `execute`."""
+        if not self.split():
+            response = await self.scheduler.execute(ticket, self.engine.execute, prepared)
+            return encode(response)
+        passes = await self.scheduler.execute(ticket, self._readouts, prepared)
+        return await self.scheduler.respond(ticket, self._respond, (prepared, *passes))
+
+    def _readouts(self, prepared: Prepared) -> tuple[Any, float]:
+        started = time.perf_counter()
+        readouts = self.engine.readouts(prepared)  # type: ignore[attr-defined]
+        return readouts, time.perf_counter() - started
+
+    def _respond(self, work: tuple[Prepared, Any, float]) -> bytes:
+        prepared, readouts, seconds = work
+        return encode(self.engine.respond(prepared, readouts, seconds))  # type: ignore[attr-defined]
 
 
 def documented_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
@@ -671,6 +707,7 @@ def serve(app: FastAPI, host: str, port: int, sock: socket.socket | None = None)
     first, and a clean shutdown exits 0."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     memory.limit_arenas()
+    sys.setswitchinterval(GIL_SWITCH_S)
     sock = sock or bind(host, port)
     server = ListeningServer(worker_config(app, host, port), app.state.draining)
     server.run(sockets=[sock])
