@@ -375,13 +375,14 @@ def fast_png(data: bytes, image: Image.Image) -> np.ndarray | None:
     codecs = fast_png_codecs()
     if codecs is None or len(image.tile) != 1 or image.info.get("interlace"):
         return None
-    tile = image.tile[0]
+    # (codec, extents, offset, raw mode): a plain tuple before Pillow 11's `ImageFile._Tile`
+    codec, extents, offset, rawmode = tuple(image.tile[0])
     width, height = image.size
-    fast = FAST_PNG_MODES.get((image.mode, tile.args if isinstance(tile.args, str) else None))
-    if fast is None or tile.codec_name != "zip" or tuple(tile.extents) != (0, 0, width, height):
+    fast = FAST_PNG_MODES.get((image.mode, rawmode if isinstance(rawmode, str) else None))
+    if fast is None or codec != "zip" or tuple(extents) != (0, 0, width, height):
         return None
     colour_type, channels, spng_format = fast
-    stream = idat_stream(data, tile.offset - CHUNK_HEAD.size)
+    stream = idat_stream(data, offset - CHUNK_HEAD.size)
     if stream is None or len(stream) < 2 or stream[0] != ZLIB_HEADER:
         return None
     stride = 1 + width * channels
