@@ -32,6 +32,7 @@ WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (contract.md §1.2)
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
 # device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
 VISION_TABLES = 8
+GPU_STAGES = ("vision", "prefix", "questions", "options", "readouts")  # Executor.stages' laps
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class Executor:
         self.prefix_cache: LRU[str, tuple[State, State]] = LRU(self.config.prefix_cache)
         self._vision_tables: LRU[tuple, dict[str, torch.Tensor]] = LRU(VISION_TABLES)
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
+        self.stage_sync = None  # a callable that waits for the device: per-stage device time
 
     # -- request side -------------------------------------------------------------------
 
@@ -166,9 +168,11 @@ class Executor:
         return {"model": MODEL_ID, "answers": answers, "usage": usage}
 
     def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
-        """Hidden states and log-probabilities of every question, through the engines."""
+        """Hidden states and log-probabilities of every question, through the engines. Every
+        pass is enqueued before any readout comes back to the host (one wait, at the end); the
+        options of a question pass run straight after it, while its states are the freshest."""
         work = plan(prepared, self.config.question_batch)
-        clock = Stopwatch(self.stages)
+        clock = Stopwatch(self.stages, self.stage_sync)
         with torch.inference_mode():
             key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None
             cached = self.prefix_cache.get(key) if key is not None else None
@@ -183,26 +187,33 @@ class Executor:
                 prefix, prefix_state = cached
                 clock.lap("vision")
                 clock.lap("prefix")
-            question_states = []
+            asked: list[tuple[QuestionPass, dict]] = []
+            answered: list[tuple[OptionPass, dict]] = []
+            for pi, qp in enumerate(work.questions):
+                out, state = self.run_question(qp, prefix, prefix_state)
+                asked.append((qp, out))
+                clock.lap("questions")
+                for op in work.options:
+                    if op.question_pass == pi:
+                        answered.append((op, self.run_options(op, prefix, state)))
+                clock.lap("options")
             zq: dict[int, np.ndarray] = {}
             first: dict[tuple[int, int], float] = {}
-            for qp in work.questions:
-                hidden, logprobs, state = self.run_question(qp, prefix, prefix_state)
-                question_states.append(state)
+            for qp, out in asked:
+                hidden, logprobs = host(out["hidden"]), host(out["logprobs"])
                 for qi, index in qp.zq_read.items():
                     zq[qi] = hidden[index]
-                for key, index in qp.first_read.items():
-                    first[key] = float(logprobs[index])
-            clock.lap("questions")
+                for pair, index in qp.first_read.items():
+                    first[pair] = float(logprobs[index])
             u: dict[tuple[int, int], np.ndarray] = {}
             picked: dict[tuple[int, int], np.ndarray] = {}
-            for op in work.options:
-                hidden, logprobs = self.run_options(op, prefix, question_states[op.question_pass])
-                for key, index in op.u_read.items():
-                    u[key] = hidden[index]
-                for key, indices in op.text_reads.items():
-                    picked[key] = logprobs[indices].astype(np.float32)
-            clock.lap("options")
+            for op, out in answered:
+                hidden, logprobs = host(out["hidden"]), host(out["logprobs"])
+                for pair, index in op.u_read.items():
+                    u[pair] = hidden[index]
+                for pair, indices in op.text_reads.items():
+                    picked[pair] = logprobs[indices].astype(np.float32)
+            clock.lap("readouts")
         return collect(prepared, zq, u, picked, first)
 
     # -- passes -------------------------------------------------------------------------
@@ -256,7 +267,12 @@ class Executor:
         return wanted if wanted in names else names[0]
 
     def tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype).contiguous()
+        """A host array on the device; on CUDA through pinned memory without waiting, so that
+        the host prepares the next pass while the device runs this one."""
+        host_tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            host_tensor = host_tensor.pin_memory()
+        return host_tensor.to(self.device, dtype, non_blocking=True).contiguous()
 
     def empty_state(self) -> State:
         """A state with no past (P = Q = 1, masked) and zero recurrent state: exactly empty."""
@@ -291,7 +307,7 @@ class Executor:
     def feeds(
         self, arrays: dict[str, np.ndarray], features: torch.Tensor, prefix: State, src: State
     ) -> dict:
-        feeds = {name: self.tensor(a, torch.int64) for name, a in arrays.items()}
+        feeds = self.upload_ints(arrays)
         feeds["image_features"] = features
         feeds["prefix_mask"] = prefix.mask
         feeds["src_mask"] = src.mask
@@ -302,37 +318,52 @@ class Executor:
             feeds[f"src_conv.{j}"], feeds[f"src_rec.{j}"] = src.conv[j], src.rec[j]
         return feeds
 
+    def upload_ints(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """A pass's integer inputs in one host-to-device copy, then views of it by name."""
+        flat = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in arrays.values()]
+        device = self.tensor(np.concatenate(flat), torch.int64)
+        views, at = {}, 0
+        for (name, array), part in zip(arrays.items(), flat, strict=True):
+            views[name] = device[at : at + part.size].view(array.shape)
+            at += part.size
+        return views
+
     def outputs(
-        self, rows: Pass, arrays: dict[str, np.ndarray], with_state: bool
+        self, rows: Pass, arrays: dict[str, np.ndarray], with_state: bool, lend: bool = False
     ) -> dict[str, torch.Tensor]:
+        """Tensors the pass writes; with `lend`, its states go straight into the buffers the
+        backend reads the next passes' sources from, where it has them (no copy in)."""
         d, dt = self.dims, self._lm_dtypes
         b, t = rows.shape
         out = {
             "hidden": torch.empty(len(arrays["read_rows"]), d.hidden, device=self.device),
             "logprobs": torch.empty(len(arrays["target_rows"]), device=self.device),
         }
-        if with_state:
-            for i in range(d.attention_layers):
-                for kind in ("k", "v"):
-                    out[f"out_{kind}.{i}"] = torch.empty(
-                        b, d.kv_heads, t, d.head_dim, dtype=dt["prefix_k.0"], device=self.device
-                    )
-            for j in range(d.delta_layers):
-                out[f"out_conv.{j}"] = torch.empty(
-                    b, d.conv_channels, d.conv_state, dtype=dt["src_conv.0"], device=self.device
-                )
-                out[f"out_rec.{j}"] = torch.empty(
-                    b,
-                    d.value_heads,
-                    d.key_dim,
-                    d.value_dim,
-                    dtype=dt["src_rec.0"],
-                    device=self.device,
-                )
+        if not with_state:
+            return out
+        shapes = {}
+        for i in range(d.attention_layers):
+            for kind in ("k", "v"):
+                shapes[f"{kind}.{i}"] = ((b, d.kv_heads, t, d.head_dim), dt["prefix_k.0"])
+        for j in range(d.delta_layers):
+            shapes[f"conv.{j}"] = ((b, d.conv_channels, d.conv_state), dt["src_conv.0"])
+            shapes[f"rec.{j}"] = ((b, d.value_heads, d.key_dim, d.value_dim), dt["src_rec.0"])
+        lender = getattr(self.backend, "state_buffer", None) if lend else None
+        for name, (shape, dtype) in shapes.items():
+            lent = lender(f"src_{name}", shape, dtype) if lender else None
+            out[f"out_{name}"] = (
+                lent if lent is not None else torch.empty(shape, dtype=dtype, device=self.device)
+            )
         return out
 
     def run_pass(
-        self, rows: Pass, features: torch.Tensor, prefix: State, src: State, with_state: bool
+        self,
+        rows: Pass,
+        features: torch.Tensor,
+        prefix: State,
+        src: State,
+        with_state: bool,
+        lend: bool = False,
     ) -> dict[str, torch.Tensor]:
         if not with_state and not self.backend.has_graph("lm_rows"):
             with_state = True  # an engine directory without the readout-only variant
@@ -341,7 +372,7 @@ class Executor:
             return self.run_split(rows, features, prefix, src, with_state, limit)
         graph = "lm_state" if with_state else "lm_rows"
         arrays = rows.arrays()
-        outputs = self.outputs(rows, arrays, with_state)
+        outputs = self.outputs(rows, arrays, with_state, lend)
         self.backend.run(graph, self.feeds(arrays, features, prefix, src), outputs)
         return outputs
 
@@ -421,17 +452,18 @@ class Executor:
 
     def run_question(
         self, qp: QuestionPass, prefix: State, after_prefix: State
-    ) -> tuple[np.ndarray, np.ndarray, State]:
-        dummy = self.dummy_features()
-        out = self.run_pass(qp.rows, dummy, prefix, after_prefix, with_state=True)
-        hidden, logprobs = host(out["hidden"]), host(out["logprobs"])
-        return hidden, logprobs, self.state_from(out, qp.rows)
+    ) -> tuple[dict[str, torch.Tensor], State]:
+        """A question pass; its states go where the option passes read them (`state_buffer`):
+        valid until the next question pass of the same shape, which runs after these options."""
+        out = self.run_pass(
+            qp.rows, self.dummy_features(), prefix, after_prefix, with_state=True, lend=True
+        )
+        return out, self.state_from(out, qp.rows)
 
     def run_options(
         self, op: OptionPass, prefix: State, question_state: State
-    ) -> tuple[np.ndarray, np.ndarray]:
-        out = self.run_pass(op.rows, self.dummy_features(), prefix, question_state, False)
-        return host(out["hidden"]), host(out["logprobs"])
+    ) -> dict[str, torch.Tensor]:
+        return self.run_pass(op.rows, self.dummy_features(), prefix, question_state, False)
 
     def dummy_features(self) -> torch.Tensor:
         dtype = self._lm_dtypes["image_features"]
@@ -474,15 +506,22 @@ def slice_pass(rows: Pass, start: int, end: int) -> Pass:
 
 
 class Stopwatch:
-    """Writes the seconds since the previous lap under each stage name."""
+    """Adds the seconds since the previous lap to each stage's name (the stages of one request;
+    interleaved stages add up). With `sync`, a lap first waits for the device, so that each
+    stage holds its own device time; without, a stage holds the time taken to enqueue it."""
 
-    def __init__(self, stages: dict[str, float]):
+    def __init__(self, stages: dict[str, float], sync=None):
         self.stages = stages
+        for stage in GPU_STAGES:
+            stages.pop(stage, None)
+        self.sync = sync
         self.last = time.perf_counter()
 
     def lap(self, stage: str) -> None:
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
-        self.stages[stage] = now - self.last
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self.last
         self.last = now
 
 

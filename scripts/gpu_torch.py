@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -46,6 +46,14 @@ REFERENCE_RUNS = 10  # the reference with fla-core, per workload
 TARGETS_MS = {"1 question": 25, "12 questions": 35, "32 options": 30, "255 options": 50}
 # (rows, tokens) of the Gated DeltaNet passes the plan makes (runtime.passes.rows_for): question
 # passes 16 × 16 and 8 × 32, option passes 64 × 8, 32 × 16, 16 × 24, prefixes 1 × 64k
+STARTED = time.perf_counter()
+# the dev call's sweep starts no new setting after this many seconds (10-minute calls)
+SWEEP_UNTIL_S = float(os.environ.get("SWEEP_UNTIL_S", 480))
+# compiler caches of this machine, kept under WORK; `caches` packs them into $OUT and a later
+# call unpacks a carried pack (CACHE_PACK) before compiling
+CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": WORK / "inductor", "TRITON_CACHE_DIR": WORK / "triton"}
+CACHE_PACK = Path(".gpu-cache")
+CACHE_PIECE = "15m"  # $OUT returns files of at most 16 MiB
 CROSSOVER = [(16, 16), (8, 32), (64, 8), (32, 16), (16, 24), (1, 64), (1, 128), (1, 640)]
 
 
@@ -164,7 +172,7 @@ def crossover() -> dict:
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    from runtime.model import gdn
+    from runtime.model import gdn_kernels
 
     rows = []
     heads, value_heads, dim = 16, 32, 128
@@ -193,8 +201,58 @@ def crossover() -> dict:
             longest = t
         else:
             break
-    gdn.FLA_RECURRENT_MAX_TOKENS = longest
-    return {"rows": rows, "recurrent_max_tokens": longest}
+    gdn_kernels.FLA_RECURRENT_MAX_TOKENS = longest
+    return {"rows": rows, "recurrent_max_tokens": longest, "option_rows": option_rows_kernel()}
+
+
+def fla_recurrent_output(q, k, v, g, beta, state, scale):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    out, _ = fused_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
+        output_final_state=False, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    return out
+
+
+def option_rows_kernel() -> list[dict]:
+    """Our option-row kernel (runtime.model.gdn_kernels: each row reads its source's state in
+    place, no final state) against fla's fused recurrent kernel on per-row gathered states, as
+    the option passes ran before: CUDA-graph replays, and the largest output difference."""
+    import torch
+
+    from runtime.model.gdn_kernels import option_rows_gated_delta
+
+    rows = []
+    heads, value_heads, dim = 16, 32, 128
+    for b, t, sources in ((64, 8, 16), (32, 16, 16), (16, 24, 16), (16, 8, 8), (32, 8, 1)):
+        q = torch.randn(b, t, heads, dim, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn(b, t, value_heads, dim, device="cuda").bfloat16()
+        g = -torch.rand(b, t, value_heads, device="cuda")
+        beta = torch.rand(b, t, value_heads, device="cuda")
+        states = torch.randn(sources, value_heads, dim, dim, device="cuda") * 0.05
+        src = torch.randint(0, sources, (b,), device="cuda")
+        scale = dim**-0.5
+
+        ours = partial(option_rows_gated_delta, q, k, v, g, beta, states, src, scale)
+        fla_gathered = partial(
+            fla_recurrent_output, q, k, v, g, beta, states[src].contiguous(), scale
+        )
+
+        difference = (ours().float() - fla_gathered().float()).abs().max().item()
+        repeat = torch.equal(ours(), ours())
+        row = {
+            "rows": b,
+            "tokens": t,
+            "sources": sources,
+            "ours_ms": graph_ms(ours),
+            "fla_gathered_ms": graph_ms(fla_gathered),
+            "max_difference": difference,
+            "repeatable": repeat,
+        }
+        rows.append(row)
+        log(f"option rows {row}")
+    return rows
 
 
 def prepared_workloads(executor) -> dict:
@@ -228,12 +286,56 @@ def gpu_stages(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
             "workload": name,
             "median_ms": 1e3 * statistics.median(times),
             "p90_ms": 1e3 * quantile(times, 0.9),
-            "stages_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in stages.items()},
+            "enqueue_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in stages.items()},
+            "stages_ms": synced_stages(executor, prepared),
         }
         if name in TARGETS_MS:
             row["target_ms"] = TARGETS_MS[name]
         rows.append(row)
         log(f"gpu stages {row}")
+    return rows
+
+
+def synced_stages(executor, prepared, runs: int = 5) -> dict[str, float]:
+    """Device time per stage: the stage clock waits for the device at each lap (a few tenths
+    of a millisecond more in all than the unsynchronised runs)."""
+    stages: dict[str, list[float]] = {}
+    executor.stage_sync = sync
+    try:
+        for _ in range(runs):
+            sync()
+            executor.readouts(prepared)
+            for stage, seconds in executor.stages.items():
+                stages.setdefault(stage, []).append(seconds)
+    finally:
+        executor.stage_sync = None
+    return {k: round(1e3 * statistics.median(v), 2) for k, v in stages.items()}
+
+
+def option_rows_sweep(executor, workloads: dict) -> list[dict]:
+    """GPU stages with option passes of 16, 32 and 64 rows (runtime.passes.OPTION_ROWS; the
+    token budget per pass scaled with it) and question passes of 8 and 16 rows: what a pass
+    costs by its size, for choosing the fixed row counts."""
+    from runtime import passes
+
+    kept = (passes.OPTION_ROWS, passes.OPTION_TOKENS, executor.config)
+    rows = []
+    try:
+        for option_rows, question_rows in ((32, 16), (16, 16), (64, 8), (32, 8)):
+            if time.perf_counter() - STARTED > SWEEP_UNTIL_S:
+                break
+            passes.OPTION_ROWS = option_rows
+            passes.OPTION_TOKENS = option_rows * 8
+            executor.config = replace(executor.config, question_batch=question_rows)
+            chosen = {
+                n: workloads[n] for n in workloads if n != "3 questions" and n != "6 questions"
+            }
+            for row in gpu_stages(executor, chosen, runs=10):
+                row.update(option_rows=option_rows, question_rows=question_rows)
+                rows.append(row)
+            save("sweep.json", rows)
+    finally:
+        passes.OPTION_ROWS, passes.OPTION_TOKENS, executor.config = kept
     return rows
 
 
@@ -478,12 +580,36 @@ def attempt(report: dict, key: str, step, *args):
     return report[key]
 
 
+def use_cache_dirs() -> None:
+    """Points the compiler caches under WORK (unpacking a carried pack first, if any)."""
+    pieces = sorted(CACHE_PACK.glob("caches.tar.xz.*"))
+    if pieces and not (WORK / "inductor").exists():
+        WORK.mkdir(parents=True, exist_ok=True)
+        subprocess.run(f"cat {' '.join(map(str, pieces))} | xz -d | tar x -C {WORK}", shell=True)
+        log(f"unpacked {len(pieces)} cache pieces")
+    for name, folder in CACHE_DIRS.items():
+        os.environ.setdefault(name, str(folder))
+
+
+def pack_caches() -> dict:
+    """The compiler caches into $OUT in pieces of CACHE_PIECE, when four pieces hold them."""
+    folders = [f.name for f in CACHE_DIRS.values() if f.exists()]
+    packed = WORK / "caches.tar.xz"
+    subprocess.run(f"tar c -C {WORK} {' '.join(folders)} | xz -T0 -6 > {packed}", shell=True)
+    size = packed.stat().st_size
+    if size > 4 * 15 * (1 << 20):
+        return {"packed_mib": size / (1 << 20), "returned": False}
+    subprocess.run(["split", "-b", CACHE_PIECE, "-d", str(packed), str(OUT / "caches.tar.xz.")])
+    return {"packed_mib": size / (1 << 20), "returned": True}
+
+
 def session(final: bool) -> None:
     import torch
 
+    use_cache_dirs()
     report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
     attempt(report, "build", build)
-    if not TINY:
+    if not TINY and "--no-crossover" not in sys.argv:
         attempt(report, "crossover", crossover)
     run = Run("bf16")
     started = time.perf_counter()
@@ -496,10 +622,14 @@ def session(final: bool) -> None:
     attempt(report, "gpu_stages", gpu_stages, executor, workloads)
     report["warm_stats"] = executor.backend.stats()
     attempt(report, "invariance", invariance, executor)
-    attempt(report, "requests", whole_requests, executor, workloads)
+    if final:
+        attempt(report, "requests", whole_requests, executor, workloads)
     attempt(report, "peak_memory", peak_memory, executor, workloads)
     report["profile"] = attempt(report, "profile", profile, executor, workloads)
     report["stats"] = executor.backend.stats()
+    if not final:
+        attempt(report, "option_rows_sweep", option_rows_sweep, executor, workloads)
+        attempt(report, "caches", pack_caches)
     if final:
         del executor
         torch.cuda.empty_cache()

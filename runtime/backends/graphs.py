@@ -103,7 +103,9 @@ class GraphSlots:
         if slot is None:
             slot = self.install(key, self.bind(key, feeds, outputs))
         for name, tensor in feeds.items():
-            slot.inputs[name].copy_(tensor, non_blocking=True)
+            static = slot.inputs[name]
+            if static.data_ptr() != tensor.data_ptr():  # a feed already in place is not copied
+                static.copy_(tensor, non_blocking=True)
         if slot.graph is not None:
             slot.graph.replay()
             self.replays += 1

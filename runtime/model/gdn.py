@@ -1,5 +1,5 @@
 """Gated DeltaNet cores: the chunked gated delta rule in its eager, standard-op and ONNX Runtime
-forms, chosen by name (`CORES`), and fla-core's Triton kernels for the torch backend on CUDA.
+forms, chosen by name (`CORES`); the CUDA kernels of the torch backend are in `gdn_kernels`.
 
 Follows transformers 5.17 `torch_chunk_gated_delta_rule` (model.md §3): chunks of 64, q and k
 normalised and q scaled before the core, float32 throughout.
@@ -13,12 +13,6 @@ import torch.nn.functional as F
 GDN_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk (model.md §3)
 STD_MAX_TOKENS = GDN_CHUNK  # the standard-op GDN graph is one chunk: passes of at most 64 tokens
 L2_EPS = 1e-6  # l2norm inside the kernel (use_qk_l2norm_in_kernel, model.md §3)
-# fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
-# one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
-# crossover, docs/measurements/h200-2026-12-01): recurrent faster only for 64 rows × 8 tokens
-# (0.20 against 0.27 ms); chunked faster from 16 tokens up (16 × 16: 0.08 against 0.10 ms,
-# 1 × 640: 0.08 against 0.70 ms)
-FLA_RECURRENT_MAX_TOKENS = 8
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -128,30 +122,6 @@ def gated_delta_ort(q, k, v, g, beta, state):
         version=1,
     )
     return out.reshape(b, t, heads, dv), new_state
-
-
-@torch.compiler.disable  # fla's kernels autotune and launch Triton themselves: a graph break
-def gated_delta_fla(q, k, v, g, beta, state, scale: float, want_state: bool = True):
-    """fla-core's gated delta rule: q, k [B, T, H, dk] and v [B, T, HV, dv] in the model's dtype,
-    normalised in the kernel (eps 1e-6, as l2norm); g, beta float32 [B, T, HV]; state float32
-    [B, HV, dk, dv]. Float32 passes take the recurrent kernel, whose arithmetic is float32
-    throughout (the chunked one's Triton dots would round float32 operands to TF32)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-
-    short = q.shape[1] <= FLA_RECURRENT_MAX_TOKENS or q.dtype == torch.float32
-    kernel = fused_recurrent_gated_delta_rule if short else chunk_gated_delta_rule
-    out, final = kernel(
-        q,
-        k,
-        v,
-        g=g,
-        beta=beta,
-        scale=scale,
-        initial_state=state.float().contiguous(),
-        output_final_state=want_state,
-        use_qk_l2norm_in_kernel=True,
-    )
-    return out, final
 
 
 # name -> core(q, k, v, g, beta, state) -> (out, state); "eager" runs outside export, the others

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.readout import token_logprobs
-from runtime.model.gdn import CORES, GDN_VARIANTS, gated_delta_fla, l2norm
+from runtime.model.gdn import CORES, GDN_VARIANTS, l2norm
 from runtime.model.layers import MASKED, MLP, GatedRMSNorm, RMSNorm, rotate_half
 
 READOUT_VARIANTS = ("std", "plugin")
@@ -183,7 +183,9 @@ class GatedDeltaNet(nn.Module):
         x = x.float().reshape(b, t, count, 1, dim)
         return x.expand(b, t, count, self.v_heads // count, dim).reshape(b, t, self.v_heads, dim)
 
-    def forward(self, x, valid, lengths, conv_past, rec_past, want_state: bool = True):
+    def forward(self, x, valid, lengths, conv_past, rec_past, want_state: bool = True, src=None):
+        """With `src`, `rec_past` holds one state per source and row n continues `rec_past[src[n]]`
+        (option rows: on CUDA read in place by the kernel, never gathered)."""
         b, t, _ = x.shape
         mixed, conv_state = self.conv(self.in_proj_qkv(x), conv_past, lengths)
         key_width = self.k_heads * self.dk
@@ -193,18 +195,28 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         g = torch.where(valid[..., None], g, 0.0)
         if self.core == "fla" and not torch.onnx.is_in_onnx_export():
-            # fla normalises q and k in the kernel and maps value head j to key head j // (HV/H)
-            out, rec_state = gated_delta_fla(
-                q.reshape(b, t, self.k_heads, self.dk),
-                k.reshape(b, t, self.k_heads, self.dk),
-                v.reshape(b, t, self.v_heads, self.dv),
-                g,
-                beta,
-                rec_past,
-                self.dk**-0.5,
-                want_state,
-            )
+            from runtime.model import gdn_kernels
+
+            # the kernels normalise q and k and map value head j to key head j // (HV/H)
+            # contiguous before the custom ops: Inductor asserts an op's input strides, and the
+            # conv's transposed output may be laid out otherwise than when it was traced
+            q = q.reshape(b, t, self.k_heads, self.dk).contiguous()
+            k = k.reshape(b, t, self.k_heads, self.dk).contiguous()
+            v = v.reshape(b, t, self.v_heads, self.dv).contiguous()
+            g, beta = g.contiguous(), beta.contiguous()
+            if src is not None and not want_state:
+                out = gdn_kernels.option_rows_gated_delta(
+                    q, k, v, g, beta, rec_past.float().contiguous(), src, self.dk**-0.5
+                )
+                rec_state = None
+            else:
+                past = rec_past if src is None else per_row(rec_past, src, b)
+                out, rec_state = gdn_kernels.fla_gated_delta(
+                    q, k, v, g, beta, past.float().contiguous(), self.dk**-0.5
+                )
         else:
+            if src is not None:
+                rec_past = per_row(rec_past, src, b)
             q = l2norm(self.heads(q, self.k_heads, self.dk)) * self.dk**-0.5
             k = l2norm(self.heads(k, self.k_heads, self.dk))
             v = v.float().reshape(b, t, self.v_heads, self.dv)
@@ -401,12 +413,38 @@ def per_row(per_source: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Ten
     return per_source[src]
 
 
-def pass_body(module: LanguagePass, feeds: dict, return_state: bool) -> dict[str, torch.Tensor]:
+def attention_block(layer, h, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
+    """One attention decoder layer of `pass_body`: (h, k, v). A function of the layer, so that
+    one compilation serves every layer of its kind (regional compilation)."""
+    x, k, v = layer.self_attn(
+        layer.input_layernorm(h), cos, sin, mask, prefix_k, prefix_v, src_k, src_v
+    )
+    h = h + x
+    return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
+
+
+def delta_block(layer, h, valid, lengths, conv_past, rec_past, src, want_state: bool):
+    """One Gated DeltaNet decoder layer of `pass_body`: (h, conv state, recurrent state)."""
+    x, conv, rec = layer.linear_attn(
+        layer.input_layernorm(h), valid, lengths, conv_past, rec_past, want_state, src
+    )
+    h = h + x
+    return h + layer.mlp(layer.post_attention_layernorm(h)), conv, rec
+
+
+BLOCKS = {"attention": attention_block, "delta": delta_block}
+
+
+def pass_body(
+    module: LanguagePass, feeds: dict, return_state: bool, blocks: dict | None = None
+) -> dict[str, torch.Tensor]:
     """`LanguagePass.forward` up to the final norm, for the torch backend: inputs and outputs by
     their graph names, `flat` [B·T, D] (every position after the final norm) in place of the
     readouts, which the backend takes from it in fixed-size pieces; the state outputs only with
     `return_state` (option rows are leaves). Same arithmetic as forward, except the attention
-    and Gated DeltaNet forms the layers were given (`attend`, `core`)."""
+    and Gated DeltaNet forms the layers were given (`attend`, `core`). `blocks` may hold
+    compiled forms of `attention_block` and `delta_block`."""
+    blocks = blocks or BLOCKS
     input_ids, lengths, src = feeds["input_ids"], feeds["lengths"], feeds["src"]
     b, t = input_ids.shape
     h = module.embed(input_ids, feeds["image_features"])
@@ -425,10 +463,10 @@ def pass_body(module: LanguagePass, feeds: dict, return_state: bool) -> dict[str
     out: dict[str, torch.Tensor] = {}
     i = j = 0
     for layer in module.layers:
-        x = layer.input_layernorm(h)
         if layer.kind == "full_attention":
-            x, k, v = layer.self_attn(
-                x,
+            h, k, v = blocks["attention"](
+                layer,
+                h,
                 cos,
                 sin,
                 mask,
@@ -441,18 +479,18 @@ def pass_body(module: LanguagePass, feeds: dict, return_state: bool) -> dict[str
                 out[f"out_k.{i}"], out[f"out_v.{i}"] = k, v
             i += 1
         else:
-            x, conv, rec = layer.linear_attn(
-                x,
+            h, conv, rec = blocks["delta"](
+                layer,
+                h,
                 valid,
                 lengths,
                 per_row(feeds[f"src_conv.{j}"], src, b),
-                per_row(feeds[f"src_rec.{j}"], src, b),
-                want_state=return_state,
+                feeds[f"src_rec.{j}"],
+                src,
+                return_state,
             )
             if return_state:
                 out[f"out_conv.{j}"], out[f"out_rec.{j}"] = conv, rec
             j += 1
-        h = h + x
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
     out["flat"] = module.norm(h).reshape(b * t, -1)
     return out

@@ -1,0 +1,171 @@
+"""The Gated DeltaNet cores of the torch backend on CUDA, as PyTorch custom ops so that
+`torch.compile` keeps a pass in one graph: fla-core's kernels for passes that carry their state
+on, and our own recurrent kernel for option rows, which read their question's state in place.
+
+Follows the gated delta rule of model.md §3 (S ← e^g S; v' = β(v − Sᵀk); S ← S + k v'ᵀ;
+o = Sᵀq, q and k l2-normalised with eps 1e-6 and q scaled), fla-core's fused recurrent form.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton exists only beside a CUDA build of torch; the CPU runs the eager cores instead
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+
+# value columns per program of the option-row kernel and its warps: a [128, 32] float32 tile of
+# the state is 32 registers a thread at 4 warps. Fixed, not autotuned, so that every process
+# sums in the same order (an autotuner may pick differently after a restart)
+ROWS_BLOCK_V = 32
+ROWS_WARPS = 4
+L2_EPS = 1e-6  # fla's use_qk_l2norm_in_kernel and the eager l2norm (model.md §3)
+# fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
+# one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
+# crossover, docs/measurements/h200-2026-12-01): recurrent faster only for 64 rows × 8 tokens
+# (0.20 against 0.27 ms); chunked faster from 16 tokens up (16 × 16: 0.08 against 0.10 ms,
+# 1 × 640: 0.08 against 0.70 ms)
+FLA_RECURRENT_MAX_TOKENS = 8
+
+
+def available() -> bool:
+    return triton is not None
+
+
+@torch.library.custom_op("omnijev::fla_gated_delta", mutates_args=())
+def fla_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla-core's gated delta rule carrying the state on: q, k [B, T, H, dk] and v [B, T, HV, dv]
+    in the model's dtype, normalised in the kernel; g, beta float32 [B, T, HV]; state float32
+    [B, HV, dk, dv]. Float32 passes take the recurrent kernel, whose arithmetic is float32
+    throughout (the chunked one's Triton dots would round float32 operands to TF32)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    short = q.shape[1] <= FLA_RECURRENT_MAX_TOKENS or q.dtype == torch.float32
+    kernel = fused_recurrent_gated_delta_rule if short else chunk_gated_delta_rule
+    out, final = kernel(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g=g.contiguous(),
+        beta=beta.contiguous(),
+        scale=scale,
+        initial_state=state.contiguous(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    # fla's chunked kernel returns a transposed view; the op's outputs are contiguous, as faked
+    return out.to(v.dtype).contiguous(), final.float().contiguous()
+
+
+@fla_gated_delta.register_fake
+def _(q, k, v, g, beta, state, scale):
+    b, _, heads, dv = v.shape
+    final = state.new_empty(b, heads, q.shape[3], dv, dtype=torch.float32)
+    return v.new_empty(v.shape), final
+
+
+if triton is not None:
+
+    @triton.jit
+    def _option_rows_kernel(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        states,
+        src,
+        out,
+        scale,
+        T,
+        H: tl.constexpr,
+        HV: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BV: tl.constexpr,
+        EPS: tl.constexpr,
+    ):
+        """One program: one row, one value head, BV value columns, the row's T tokens in order."""
+        i_v = tl.program_id(0)
+        i_nh = tl.program_id(1).to(tl.int64)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        source = tl.load(src + i_n).to(tl.int64)
+        o_k = tl.arange(0, K)
+        o_v = i_v * BV + tl.arange(0, BV)
+        tile = states + (source * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        h = tl.load(tile).to(tl.float32)
+        for t in range(0, T):
+            token = i_n * T + t
+            b_q = tl.load(q + (token * H + i_h) * K + o_k).to(tl.float32)
+            b_k = tl.load(k + (token * H + i_h) * K + o_k).to(tl.float32)
+            b_v = tl.load(v + (token * HV + i_hv) * V + o_v).to(tl.float32)
+            b_g = tl.load(g + token * HV + i_hv).to(tl.float32)
+            b_beta = tl.load(beta + token * HV + i_hv).to(tl.float32)
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
+            h = h * tl.exp(b_g)
+            b_v = b_beta * (b_v - tl.sum(h * b_k[:, None], 0))
+            h = h + b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(h * b_q[:, None], 0)
+            tl.store(out + (token * HV + i_hv) * V + o_v, b_o.to(out.dtype.element_ty))
+
+
+@torch.library.custom_op("omnijev::option_rows_gated_delta", mutates_args=())
+def option_rows_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    src: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Option rows as leaves: row n continues `states[src[n]]` (float32 [S, HV, dk, dv], read
+    in place, never gathered per row) and returns only its outputs [B, T, HV, dv] in v's dtype.
+    Shapes as `fla_gated_delta`; padded tokens have g = β = 0, which leave the state as it is."""
+    if triton is None:
+        raise RuntimeError("the option rows kernel needs triton")
+    b, t, heads, dk = q.shape
+    value_heads, dv = v.shape[2], v.shape[3]
+    if dv % ROWS_BLOCK_V or dk & (dk - 1) or value_heads % heads:
+        raise ValueError(f"option rows kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}")
+    out = v.new_empty(v.shape)
+    grid = (dv // ROWS_BLOCK_V, b * value_heads)
+    _option_rows_kernel[grid](
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        states.contiguous(),
+        src.contiguous(),
+        out,
+        scale,
+        t,
+        H=heads,
+        HV=value_heads,
+        K=dk,
+        V=dv,
+        BV=ROWS_BLOCK_V,
+        EPS=L2_EPS,
+        num_warps=ROWS_WARPS,
+    )
+    return out
+
+
+@option_rows_gated_delta.register_fake
+def _(q, k, v, g, beta, states, src, scale):
+    return v.new_empty(v.shape)

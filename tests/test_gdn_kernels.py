@@ -1,0 +1,110 @@
+"""The torch backend's own Gated DeltaNet kernel for option rows (runtime.model.gdn_kernels)
+against the eager chunked core on per-row gathered states; run by Triton's interpreter on the
+CPU where Triton is installed (the GPU machine; scripts/gpu_torch.py checks it there against
+fla-core on the 4b shapes), skipped elsewhere. And the executor's upload and stage clock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# run in a fresh interpreter: Triton reads TRITON_INTERPRET when a kernel is decorated
+KERNEL_CHECK = textwrap.dedent(
+    """
+    import torch
+    from runtime.model import gdn_kernels
+    from runtime.model.gdn import gated_delta_eager, l2norm
+
+    torch.manual_seed(0)
+    b, t, heads, value_heads, dk, dv, sources = 5, 6, 2, 4, 32, 64, 3
+    q, k = torch.randn(b, t, heads, dk), torch.randn(b, t, heads, dk)
+    v = torch.randn(b, t, value_heads, dv)
+    lengths = torch.tensor([6, 3, 1, 6, 2])
+    valid = (torch.arange(t)[None] < lengths[:, None])[..., None]
+    g = torch.where(valid, -torch.rand(b, t, value_heads), 0.0)
+    beta = torch.where(valid, torch.rand(b, t, value_heads), 0.0)
+    states = torch.randn(sources, value_heads, dk, dv) * 0.1
+    src = torch.tensor([2, 0, 1, 2, 0])
+    out = gdn_kernels.option_rows_gated_delta(q, k, v, g, beta, states, src, dk**-0.5)
+
+    def per_value_head(x):
+        return x.repeat_interleave(value_heads // heads, dim=2)
+
+    expected, _ = gated_delta_eager(
+        l2norm(per_value_head(q)) * dk**-0.5, l2norm(per_value_head(k)), v, g, beta, states[src]
+    )
+    mask = valid[..., 0]
+    print(float((out - expected)[mask].abs().max()))
+    """
+)
+
+
+def test_option_rows_kernel_matches_the_eager_core():
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_option_rows_kernel_is_a_custom_op_with_a_fake():
+    from runtime.model import gdn_kernels
+
+    q = torch.empty(3, 4, 2, 32, device="meta")
+    v = torch.empty(3, 4, 4, 64, device="meta")
+    gates = torch.empty(3, 4, 4, device="meta")
+    states = torch.empty(2, 4, 32, 64, device="meta")
+    src = torch.empty(3, dtype=torch.int64, device="meta")
+    out = gdn_kernels.option_rows_gated_delta(q, q, v, gates, gates, states, src, 0.5)
+    assert out.shape == v.shape and out.is_contiguous()
+    out, final = gdn_kernels.fla_gated_delta(
+        q, q, v, gates, gates, states[:1].expand(3, -1, -1, -1), 0.5
+    )
+    assert out.shape == v.shape and final.shape == (3, 4, 32, 64)
+    assert final.dtype == torch.float32
+
+
+def test_pass_integers_travel_in_one_copy_as_views_of_their_arrays():
+    from runtime.executor import Executor
+
+    holder = Executor.__new__(Executor)
+    holder.device = torch.device("cpu")
+    arrays = {
+        "input_ids": np.arange(12, dtype=np.int64).reshape(3, 4),
+        "positions": np.arange(36, dtype=np.int64).reshape(3, 3, 4) * 7,
+        "lengths": np.array([4, 2, 1], dtype=np.int64),
+        "read_rows": np.array([3], dtype=np.int64),
+    }
+    views = holder.upload_ints(arrays)
+    assert list(views) == list(arrays)
+    base = views["input_ids"].untyped_storage().data_ptr()
+    for name, array in arrays.items():
+        assert views[name].dtype == torch.int64
+        assert views[name].untyped_storage().data_ptr() == base  # one upload
+        np.testing.assert_array_equal(views[name].numpy(), array)
+
+
+def test_stage_clock_adds_interleaved_laps_and_waits_when_asked():
+    from runtime.executor import Stopwatch
+
+    waits = []
+    stages = {"vision": 9.0, "prepare": 1.0}
+    clock = Stopwatch(stages, sync=lambda: waits.append(1))
+    assert "vision" not in stages and stages["prepare"] == 1.0  # the last request's laps go
+    for stage in ("questions", "options", "questions", "options"):
+        clock.lap(stage)
+    assert len(waits) == 4
+    assert set(stages) == {"prepare", "questions", "options"}
+    assert all(stages[s] >= 0.0 for s in stages)
