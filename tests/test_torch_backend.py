@@ -157,3 +157,24 @@ def test_artifacts_made_with_other_versions_are_refused(tmp_path, monkeypatch):
     (private / "new").write_text("a cache miss")
     assert not (tmp_path / "torch" / "new").exists()
     assert check_artifacts(tmp_path) == private  # copied once per tree digest
+
+
+def test_compiled_layer_blocks_answer_as_the_eager_modules(engines):
+    """The GPU's compiled form (vision whole, the passes one decoder layer at a time through
+    `BLOCKS`, dynamic shapes) compiled by Inductor for the CPU: the same answers as eager."""
+    from runtime.backends.compiled import TorchBackend
+    from runtime.config import RuntimeConfig
+    from runtime.executor import load_engine
+
+    config = RuntimeConfig.from_env(backend="torch", question_batch=16, prefix_cache=0)
+    executor = load_engine(str(engines[0]), str(engines[1]), config)
+    body = request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png")
+    eager = executor.answer(body)
+    backend = executor.backend
+    backend.compiled = True
+    backend.functions = TorchBackend.make_functions(backend)
+    assert backend.functions["lm_rows"].keywords["blocks"]["delta"] is not None
+    report = compare(eager, executor.answer(body))
+    assert report["input_tokens_equal"] and not report["flips"]
+    assert len(report["differences"]) == 3
+    assert max(report["differences"]) <= PARITY
