@@ -1,13 +1,17 @@
 """The torch backend on the H200 in one call per measurement (issue 12): build the 4b export, then
 time, check and profile through the library (runtime.executor, tools.bench, build_engines).
 
-    python scripts/gpu_torch.py dev        # build; kernel crossover; latency; invariance; profile
+    python scripts/gpu_torch.py dev        # build; kernel crossover; latency; invariance; profile;
+                                           # option/question row-count sweep; caches into $OUT
     python scripts/gpu_torch.py final      # build; crossover; latency; invariance; memory;
                                            # profile; the reference with fla-core; parity
     python scripts/gpu_torch.py cold       # cold start with and without the engine caches
     python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
     python scripts/gpu_torch.py parity     # float32 parity alone (after final, same lease)
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
+
+`--no-crossover` skips the kernel timings; SWEEP_UNTIL_S bounds the sweep; a carried
+`.gpu-cache/` (the `caches.tar.xz.*` pieces a dev call returned) warms the compiler caches.
 
 fla-core goes to its own folder, named by FLA_PATH and on PYTHONPATH, so that the float32
 reference runs without it (see reference_answers):
