@@ -11,7 +11,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +124,17 @@ class Executor:
 
         # on a GPU the uint8 resized image travels (1.7 MB for the bench still, not 14 MB of
         # float32 patches) and the patches are made there, byte for byte the host's
-        return prepare(compile_request(obj), self.tokenizer, pack=self.device.type != "cpu")
+        prepared = prepare(compile_request(obj), self.tokenizer, pack=self.device.type != "cpu")
+        return self.with_plan(prepared)
+
+    def with_plan(self, prepared: Prepared) -> Prepared:
+        """The request with its pass plan made now, on the preparing thread, not on the
+        execution thread."""
+        started = time.perf_counter()
+        rows = self.config.question_batch
+        work = plan(prepared, rows)
+        seconds = prepared.prepare_seconds + time.perf_counter() - started
+        return replace(prepared, planned=(rows, work), prepare_seconds=seconds)
 
     def warm_up_request(self) -> dict:
         return warm_up_request()
@@ -171,7 +181,9 @@ class Executor:
         """Hidden states and log-probabilities of every question, through the engines. Every
         pass is enqueued before any readout comes back to the host (one wait, at the end); the
         options of a question pass run straight after it, while its states are the freshest."""
-        work = plan(prepared, self.config.question_batch)
+        rows = self.config.question_batch
+        planned = prepared.planned
+        work = planned[1] if planned and planned[0] == rows else plan(prepared, rows)
         clock = Stopwatch(self.stages, self.stage_sync)
         with torch.inference_mode():
             key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None

@@ -88,6 +88,8 @@ class Prepared:
     prefix_length: int  # the reference's L
     input_tokens: int  # L + sum of row lengths
     prepare_seconds: float = 0.0
+    # (question rows, runtime.passes.Plan) made while preparing, off the execution thread
+    planned: tuple | None = field(default=None, compare=False, repr=False)
 
     @property
     def questions(self) -> tuple[Question, ...]:

@@ -3,6 +3,7 @@ reference, invariance to the other questions and their order, repeatability, `om
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -255,3 +256,29 @@ def test_patches_made_on_the_device_give_the_same_answers(executor):
     one = json.dumps(without_latency(executor.execute(packed)))
     executor.prefix_cache.clear()
     assert json.dumps(without_latency(executor.execute(unpacked))) == one
+
+
+def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):
+    import runtime.executor as executor_module
+    from runtime.passes import plan
+
+    obj = json.loads(request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png"))
+    prepared = executor.prepare(obj)
+    rows, work = prepared.planned
+    assert rows == executor.config.question_batch
+    assert work.prefix.input_ids.tolist() == plan(prepared, rows).prefix.input_ids.tolist()
+    expected = executor.execute(prepared)
+
+    made = []
+
+    def counted(*args):
+        made.append(args[1])
+        return plan(*args)
+
+    monkeypatch.setattr(executor_module, "plan", counted)
+    again = executor.execute(prepared)
+    assert made == []  # the prepared plan served
+    assert without_latency(again) == without_latency(expected)
+    stale = dataclasses.replace(prepared, planned=(rows + 1, work))
+    assert without_latency(executor.execute(stale)) == without_latency(expected)
+    assert made == [rows]  # a plan for other question rows is made again
