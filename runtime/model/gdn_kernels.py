@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.model.gdn import L2_EPS  # fla's use_qk_l2norm_in_kernel and the eager l2norm
+
 try:  # Triton exists only beside a CUDA build of torch; the CPU runs the eager cores instead
     import triton
     import triton.language as tl
@@ -21,17 +23,12 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 # sums in the same order (an autotuner may pick differently after a restart)
 ROWS_BLOCK_V = 32
 ROWS_WARPS = 4
-L2_EPS = 1e-6  # fla's use_qk_l2norm_in_kernel and the eager l2norm (model.md §3)
 # fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
 # one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
 # crossover, docs/measurements/h200-2026-12-01): recurrent faster only for 64 rows × 8 tokens
 # (0.20 against 0.27 ms); chunked faster from 16 tokens up (16 × 16: 0.08 against 0.10 ms,
 # 1 × 640: 0.08 against 0.70 ms)
 FLA_RECURRENT_MAX_TOKENS = 8
-
-
-def available() -> bool:
-    return triton is not None
 
 
 @torch.library.custom_op("omnijev::fla_gated_delta", mutates_args=())
