@@ -362,10 +362,10 @@ class Executor:
             shapes[f"rec.{j}"] = ((b, d.value_heads, d.key_dim, d.value_dim), dt["src_rec.0"])
         lender = getattr(self.backend, "state_buffer", None) if lend else None
         for name, (shape, dtype) in shapes.items():
-            lent = lender(f"src_{name}", shape, dtype) if lender else None
-            out[f"out_{name}"] = (
-                lent if lent is not None else torch.empty(shape, dtype=dtype, device=self.device)
-            )
+            if lender is not None:
+                out[f"out_{name}"] = lender(f"src_{name}", shape, dtype)
+            else:
+                out[f"out_{name}"] = torch.empty(shape, dtype=dtype, device=self.device)
         return out
 
     def run_pass(

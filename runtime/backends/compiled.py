@@ -365,21 +365,18 @@ class TorchBackend:
         0.8 GB recurrent-state buffer serves every option-pass shape of the 4b); its outputs are
         whatever the launch returned last (during a capture: tensors of the graph's own pool,
         rewritten by every replay)."""
-        inputs = {}
-        for name, tensor in feeds.items():
-            shared = (name, tuple(tensor.shape), tensor.dtype)
-            if shared not in self.buffers:
-                self.buffers[shared] = torch.empty_like(tensor)
-            inputs[name] = self.buffers[shared]
+        inputs = {
+            name: self.state_buffer(name, tuple(tensor.shape), tensor.dtype)
+            for name, tensor in feeds.items()
+        }
         return Slot(inputs=inputs, outputs={})
 
-    def state_buffer(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """The static input buffer a pass reads the source input `name` of this shape from: a
-        question pass writes its states there, and the option passes after it read them without
-        a copy in (0.8 GB of recurrent state per 16-row question pass of the 4b). The CPU lends
-        too, so that the tests run the same order of writes and reads."""
+    def state_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The static input buffer a pass reads the input `name` of this shape from (`bind`
+        makes every slot's inputs here): a question pass writes its states there, and the option
+        passes after it read them without a copy in (0.8 GB of recurrent state per 16-row
+        question pass of the 4b). The CPU lends too, so that the tests run the same order of
+        writes and reads."""
         key = (name, tuple(shape), dtype)
         if key not in self.buffers:
             self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
