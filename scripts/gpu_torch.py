@@ -7,7 +7,7 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
                                            # profile; the reference with fla-core; parity
     python scripts/gpu_torch.py cold       # cold start with and without the engine caches
     python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
-    python scripts/gpu_torch.py parity     # float32 parity alone (after final, same lease)
+    python scripts/gpu_torch.py parity     # build when missing; float32 parity alone
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
 `--no-crossover` skips the kernel timings; SWEEP_UNTIL_S bounds the sweep; a carried
@@ -656,6 +656,15 @@ def cold_session() -> None:
     summarise(report)
 
 
+def parity_session() -> None:
+    """Float32 parity alone, on a cold machine too: the export is built first when missing."""
+    report = {"environment": environment()}
+    attempt(report, "build", build)
+    attempt(report, "parity_float32", parity_float32)
+    save("parity.json", report)
+    summarise(report)
+
+
 def summarise(report: dict) -> None:
     summary = [f"backend {report.get('backend')}, load {report.get('load_s', 0):.1f} s"]
     if isinstance(report.get("gpu_stages"), list):
@@ -676,7 +685,7 @@ if __name__ == "__main__":
     if mode == "coldstart":
         coldstart(sys.argv[2])
     elif mode == "parity":
-        summarise({"parity_float32": parity_float32()})
+        parity_session()
     elif mode == "refanswers":
         reference_answers(sys.argv[2])
     elif mode == "cold":
