@@ -403,8 +403,8 @@ class Executor:
         arrays = rows.arrays()
         hidden = torch.empty(len(arrays["read_rows"]), self.dims.hidden, device=self.device)
         logprobs = torch.empty(len(arrays["target_rows"]), device=self.device)
-        index = torch.as_tensor(rows.src, device=self.device)
-        lengths = torch.as_tensor(rows.lengths, device=self.device)
+        index = self.tensor(rows.src, torch.int64)
+        lengths = self.tensor(rows.lengths, torch.int64)
         # each row's source past, gathered once: every later piece reads it before its own tokens
         own_k = [[src.k[i][index]] for i in range(self.dims.attention_layers)]
         own_v = [[src.v[i][index]] for i in range(self.dims.attention_layers)]
@@ -443,7 +443,9 @@ class Executor:
 
     def state_from(self, out: dict[str, torch.Tensor], rows: Pass) -> State:
         d = self.dims
-        lengths = torch.as_tensor(rows.lengths, device=self.device)
+        # through pinned memory: a pageable upload here made the host wait for the pass it
+        # follows (6-8 ms a pass on the H200), so the next pass was enqueued only then
+        lengths = self.tensor(rows.lengths, torch.int64)
         positions = torch.arange(rows.shape[1], device=self.device)
         return State(
             k=[out[f"out_k.{i}"] for i in range(d.attention_layers)],

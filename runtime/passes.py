@@ -2,8 +2,9 @@
 
 Follows the prefix-reuse executor of the native worker (model.md §12.1) with one change: the
 splits are fixed points of each question's own sequence, never the reference's cross-question
-prefix `L`, and every pass has a fixed row count per length bucket, so the shape a question runs
-in, and its rows' contents, never depend on the other questions (docs/design.md).
+prefix `L`, and every pass has a fixed row count per length bucket (and, for options, per family
+of the question's own option count), so the shape a question runs in, and its rows' contents,
+never depend on the other questions (docs/design.md).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from runtime.config import QUESTION_BATCH
 from runtime.constants import VISION_END_ID as VISION_END
+from runtime.contract import MAX_OPTIONS
 from runtime.types import Prepared, QuestionLayout
 
 PREFIX_STEP = 64  # image-prefix length bucket: one CUDA graph per 64 tokens of prefix
@@ -34,6 +36,15 @@ OPTION_ROWS = 64  # the reference's option chunk (model.md §8.4): 255 options i
 QUESTION_TOKENS = 256  # token slots of a question pass: 16 rows × 16, 8 × 32, ...
 OPTION_TOKENS = 512  # token slots of an option pass: 64 rows × 8, 32 × 16, 16 × 24, ...
 OPTION_BATCH = OPTION_ROWS  # the name the split-pass code and older tests use
+# Option passes come in two families, chosen by the question's OWN number of options (so a row's
+# shape is still a function of its question alone): (most options, rows, token slots). Measured
+# as GPU stages on the H200 (4b, BF16, docs/measurements/h200-2026-12-01c): an option pass of
+# 32 × 8 took 9.2 ms, 64 × 8 14.9 ms; but 255 options took 72 ms in 32-row passes, 63 in 64-row.
+SMALL_QUESTION_OPTIONS = 32
+OPTION_FAMILIES = (
+    (SMALL_QUESTION_OPTIONS, 32, 256),  # 32 rows × 8, 16 × 16, 8 × 24, ...
+    (MAX_OPTIONS, OPTION_ROWS, OPTION_TOKENS),  # 64 rows × 8, 32 × 16, 16 × 24, ...
+)
 
 
 def bucket(n: int, step: int) -> int:
@@ -56,6 +67,14 @@ def rows_for(length: int, rows: int, tokens: int) -> int:
     while size * 2 * length <= tokens and size * 2 <= rows:
         size *= 2
     return size
+
+
+def option_family(count: int) -> tuple[int, int]:
+    """(rows, token slots) of the option passes of a question with `count` options."""
+    for most, rows, tokens in OPTION_FAMILIES:
+        if count <= most:
+            return rows, tokens
+    raise ValueError(f"at most {MAX_OPTIONS} options, got {count}")
 
 
 def padded(values: list[int], filler: int) -> list[int]:
@@ -210,18 +229,20 @@ def plan_questions(prepared: Prepared, start: int, rows: int) -> list[QuestionPa
 
 
 def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> list[OptionPass]:
-    """The options of one question pass's questions by length bucket, OPTION_ROWS rows a pass
-    (fewer for long buckets: rows_for), each row continuing its question's row."""
+    """The options of one question pass's questions by family (option_family of the question's
+    option count) and length bucket, the family's rows a pass (fewer for long buckets:
+    rows_for), each row continuing its question's row."""
     passes = []
     for pi, qp in enumerate(question_passes):
-        groups: dict[int, list[tuple[int, int, int]]] = {}
+        groups: dict[tuple[tuple[int, int], int], list[tuple[int, int, int]]] = {}
         for source, qi in enumerate(qp.members):
             layout = prepared.layouts[qi]
+            family = option_family(len(layout.opens))
             for k in range(len(layout.opens)):
                 n = layout.closes[k] - layout.opens[k] + 1
-                groups.setdefault(bucket(n, OPTION_STEP), []).append((qi, k, source))
-        for length, rows in sorted(groups.items()):
-            size = rows_for(length, OPTION_ROWS, OPTION_TOKENS)
+                groups.setdefault((family, bucket(n, OPTION_STEP)), []).append((qi, k, source))
+        for ((family_rows, family_tokens), length), rows in sorted(groups.items()):
+            size = rows_for(length, family_rows, family_tokens)
             for chunk_start in range(0, len(rows), size):
                 chunk = rows[chunk_start : chunk_start + size]
                 p = empty_pass(size, length)
@@ -244,8 +265,8 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
 
 
 def plan(prepared: Prepared, question_rows: int = QUESTION_ROWS) -> Plan:
-    """The passes of a request; question passes have `question_rows` rows, option passes
-    OPTION_ROWS (fewer for long buckets), whatever the request asks."""
+    """The passes of a request; question passes have `question_rows` rows, option passes their
+    family's (fewer for long buckets), whatever else the request asks."""
     prefix, n = plan_prefix(prepared)
     questions = plan_questions(prepared, n, question_rows)
     return Plan(prefix, n, questions, plan_options(prepared, questions))

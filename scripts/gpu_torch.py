@@ -6,6 +6,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py final      # build; crossover; latency; invariance; memory;
                                            # profile; the reference with fla-core; parity
     python scripts/gpu_torch.py cold       # cold start with and without the engine caches
+    python scripts/gpu_torch.py serve      # omnijev serve + 8-client load test; host profiles
+    python scripts/gpu_torch.py waits --tiny   # where the host waits for the device
     python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
     python scripts/gpu_torch.py parity     # build when missing; float32 parity alone
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
@@ -58,6 +60,14 @@ SWEEP_UNTIL_S = float(os.environ.get("SWEEP_UNTIL_S", 480))
 CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": WORK / "inductor", "TRITON_CACHE_DIR": WORK / "triton"}
 CACHE_PACK = Path(".gpu-cache")
 CACHE_PIECE = "15m"  # $OUT returns files of at most 16 MiB
+# (value columns, warps) of the option-row kernel to time beside the fixed one
+TILES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
+# rows of the products probed for row-count invariance: a pass's rows × tokens
+PRODUCT_ROWS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 1024]
+LOAD_CLIENTS = 8  # issue 13's closed-loop clients
+# PyTorch threads of the host profiles after the load test (HOST_THREADS="" skips them)
+HOST_THREADS = [int(n) for n in os.environ.get("HOST_THREADS", "4,8").split(",") if n]
+READY_LIMIT_S = 400  # the server's start, load and warm-up on the bench workloads
 CROSSOVER = [(16, 16), (8, 32), (64, 8), (32, 16), (16, 24), (1, 64), (1, 128), (1, 640)]
 
 
@@ -206,7 +216,7 @@ def crossover() -> dict:
         else:
             break
     gdn_kernels.FLA_RECURRENT_MAX_TOKENS = longest
-    return {"rows": rows, "recurrent_max_tokens": longest, "option_rows": option_rows_kernel()}
+    return {"rows": rows, "recurrent_max_tokens": longest}
 
 
 def fla_recurrent_output(q, k, v, g, beta, state, scale):
@@ -221,11 +231,12 @@ def fla_recurrent_output(q, k, v, g, beta, state, scale):
 
 def option_rows_kernel() -> list[dict]:
     """Our option-row kernel (runtime.model.gdn_kernels: each row reads its source's state in
-    place, no final state) against fla's fused recurrent kernel on per-row gathered states, as
-    the option passes ran before: CUDA-graph replays, and the largest output difference."""
+    place, no final state) at each tile of TILES against fla's fused recurrent kernel on per-row
+    gathered states, as the option passes ran before: CUDA-graph replays, the largest output
+    difference, and whether a tile gives the fixed tile's bytes."""
     import torch
 
-    from runtime.model.gdn_kernels import option_rows_gated_delta
+    from runtime.model import gdn_kernels
 
     rows = []
     heads, value_heads, dim = 16, 32, 128
@@ -237,26 +248,107 @@ def option_rows_kernel() -> list[dict]:
         states = torch.randn(sources, value_heads, dim, dim, device="cuda") * 0.05
         src = torch.randint(0, sources, (b,), device="cuda")
         scale = dim**-0.5
+        args = (q, k, v, g, beta, states, src, scale)
 
-        ours = partial(option_rows_gated_delta, q, k, v, g, beta, states, src, scale)
+        ours = partial(gdn_kernels.option_rows_gated_delta, *args)
         fla_gathered = partial(
             fla_recurrent_output, q, k, v, g, beta, states[src].contiguous(), scale
         )
-
-        difference = (ours().float() - fla_gathered().float()).abs().max().item()
-        repeat = torch.equal(ours(), ours())
+        fixed = ours()
         row = {
             "rows": b,
             "tokens": t,
             "sources": sources,
             "ours_ms": graph_ms(ours),
             "fla_gathered_ms": graph_ms(fla_gathered),
-            "max_difference": difference,
-            "repeatable": repeat,
+            "max_difference": (fixed.float() - fla_gathered().float()).abs().max().item(),
+            "repeatable": torch.equal(fixed, ours()),
+            "tiles": {},
         }
+        for block_v, warps in TILES:
+            tile = partial(gdn_kernels.option_rows, *args, block_v=block_v, warps=warps)
+            out = tile()
+            row["tiles"][f"{block_v}x{warps}"] = {
+                "ms": round(graph_ms(tile), 4),
+                "same_bytes": torch.equal(out, fixed),
+                "max_difference": (out.float() - fixed.float()).abs().max().item(),
+            }
         rows.append(row)
         log(f"option rows {row}")
     return rows
+
+
+def product_rows(executor) -> dict:
+    """Is a row of each of the pass's products the same bytes whatever the number of rows M?
+    (cuBLAS picks its kernel by shape; a split of the inner sum would change a row's bytes.)
+    For the weights of one layer of each kind as the backend runs them (fused), BF16 inputs:
+    the M of PRODUCT_ROWS whose rows differ from the same rows in a product of 1,024."""
+    import torch
+    import torch.nn.functional as F
+
+    layers = executor.backend.language.layers
+    attn = next(x.self_attn for x in layers if x.kind == "full_attention")
+    delta = next(x.linear_attn for x in layers if x.kind != "full_attention")
+    weights = {
+        "delta.in_proj": delta.in_proj,
+        "delta.out_proj": delta.out_proj.weight,
+        "attn.qkv": attn.qkv,
+        "attn.o_proj": attn.o_proj.weight,
+        "mlp.gate_up": layers[0].mlp.gate_up,
+        "mlp.down_proj": layers[0].mlp.down_proj.weight,
+    }
+    result = {}
+    for name, weight in weights.items():
+        x = torch.randn(max(PRODUCT_ROWS), weight.shape[1], device="cuda", dtype=weight.dtype)
+        full = F.linear(x, weight)
+        differ = {}
+        for m in PRODUCT_ROWS:
+            part = F.linear(x[:m], weight)
+            if not torch.equal(part, full[:m]):
+                differ[m] = (part.float() - full[:m].float()).abs().max().item()
+        result[name] = {"shape": list(weight.shape), "differs_at": differ}
+        log(f"product rows {name} {result[name]}")
+    return result
+
+
+def traces(executor, workloads: dict, names=("1 question", "12 questions")) -> dict:
+    """A Chrome trace of one warm GPU-stage run of each workload, the stage clock waiting for
+    the device at each lap, into $OUT (gzip); the laps' stage names in order, so that the
+    kernels between two synchronisations can be given to their stage."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from runtime import executor as executor_module
+
+    laps: list[str] = []
+    plain = executor_module.Stopwatch.lap
+
+    def lap(self, stage: str) -> None:
+        laps.append(stage)
+        plain(self, stage)
+
+    result = {}
+    executor.stage_sync = sync
+    executor_module.Stopwatch.lap = lap
+    try:
+        for name in names:
+            _, prepared = workloads[name]
+            executor.readouts(prepared)
+            laps.clear()
+            path = WORK / "trace.json"
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                executor.readouts(prepared)
+            prof.export_chrome_trace(str(path))
+            slug = name.replace(" ", "-")
+            with open(path, "rb") as raw, gzip.open(OUT / f"trace-{slug}.json.gz", "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+            result[name] = list(laps)
+    finally:
+        executor_module.Stopwatch.lap = plain
+        executor.stage_sync = None
+    return result
 
 
 def prepared_workloads(executor) -> dict:
@@ -317,29 +409,38 @@ def synced_stages(executor, prepared, runs: int = 5) -> dict[str, float]:
 
 
 def option_rows_sweep(executor, workloads: dict) -> list[dict]:
-    """GPU stages with option passes of 16, 32 and 64 rows (runtime.passes.OPTION_ROWS; the
-    token budget per pass scaled with it) and question passes of 8 and 16 rows: what a pass
-    costs by its size, for choosing the fixed row counts."""
+    """GPU stages with every option pass of 16, 32 or 64 rows (one family in
+    runtime.passes.OPTION_FAMILIES, 8 token slots a row) and question passes of 8 and 16 rows:
+    what a pass costs by its size, for choosing the fixed row counts; and whether the
+    12-question answers keep their bytes under other row counts (they need not: the kernels
+    follow the shape)."""
     from runtime import passes
+    from tools import bench
 
-    kept = (passes.OPTION_ROWS, passes.OPTION_TOKENS, executor.config)
+    kept = (passes.OPTION_FAMILIES, executor.config)
+    body = workloads["12 questions"][0]
+    default = json.dumps(bench.without_latency(executor.answer(body)))
     rows = []
     try:
         for option_rows, question_rows in ((32, 16), (16, 16), (64, 8), (32, 8)):
             if time.perf_counter() - STARTED > SWEEP_UNTIL_S:
                 break
-            passes.OPTION_ROWS = option_rows
-            passes.OPTION_TOKENS = option_rows * 8
+            passes.OPTION_FAMILIES = ((passes.MAX_OPTIONS, option_rows, option_rows * 8),)
             executor.config = replace(executor.config, question_batch=question_rows)
+            # the plan is made while preparing: prepare again under these row counts
             chosen = {
-                n: workloads[n] for n in workloads if n != "3 questions" and n != "6 questions"
+                n: (b, executor.prepare(json.loads(b)))
+                for n, (b, _) in workloads.items()
+                if n not in ("3 questions", "6 questions")
             }
+            same = json.dumps(bench.without_latency(executor.answer(body))) == default
             for row in gpu_stages(executor, chosen, runs=10):
                 row.update(option_rows=option_rows, question_rows=question_rows)
+                row["12_questions_same_bytes"] = same
                 rows.append(row)
             save("sweep.json", rows)
     finally:
-        passes.OPTION_ROWS, passes.OPTION_TOKENS, executor.config = kept
+        passes.OPTION_FAMILIES, executor.config = kept
     return rows
 
 
@@ -394,6 +495,30 @@ def invariance(executor) -> dict:
     }
     result["identical"] = not any(result[k] for k in result if k.endswith("differs"))
     log(f"invariance {result}")
+    return result
+
+
+def host_waits(executor, workloads: dict, names=("1 question", "12 questions")) -> dict:
+    """Where the host waits for the device in one GPU-stage run (torch's sync debug mode warns
+    at each wait, from the line that caused it): only the final reads of the readouts should."""
+    import warnings
+
+    import torch
+
+    result = {}
+    for name in names:
+        _, prepared = workloads[name]
+        executor.readouts(prepared)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                executor.readouts(prepared)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        result[name] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught]
+        log(f"host waits, {name}: {result[name]}")
     return result
 
 
@@ -615,6 +740,8 @@ def session(final: bool) -> None:
     attempt(report, "build", build)
     if not TINY and "--no-crossover" not in sys.argv:
         attempt(report, "crossover", crossover)
+    if not TINY and "--no-kernels" not in sys.argv:
+        attempt(report, "option_rows", option_rows_kernel)
     run = Run("bf16")
     started = time.perf_counter()
     executor = attempt(report, "load", executor_for, run)
@@ -623,13 +750,17 @@ def session(final: bool) -> None:
         return
     report["backend"] = executor.backend.name
     workloads = prepared_workloads(executor)
+    if not TINY:
+        attempt(report, "product_rows", product_rows, executor)
     attempt(report, "gpu_stages", gpu_stages, executor, workloads)
     report["warm_stats"] = executor.backend.stats()
     attempt(report, "invariance", invariance, executor)
+    attempt(report, "host_waits", host_waits, executor, workloads)
     if final:
         attempt(report, "requests", whole_requests, executor, workloads)
     attempt(report, "peak_memory", peak_memory, executor, workloads)
     report["profile"] = attempt(report, "profile", profile, executor, workloads)
+    attempt(report, "traces", traces, executor, workloads)
     report["stats"] = executor.backend.stats()
     if not final:
         attempt(report, "option_rows_sweep", option_rows_sweep, executor, workloads)
@@ -656,6 +787,16 @@ def cold_session() -> None:
     summarise(report)
 
 
+def waits_session() -> None:
+    """Host waits alone (`--tiny` on the GPU machine: minutes less than the 4b)."""
+    report = {"environment": environment()}
+    attempt(report, "build", build)
+    executor = attempt(report, "load", executor_for, Run("waits", compile=False))
+    if not isinstance(executor, dict):
+        attempt(report, "host_waits", host_waits, executor, prepared_workloads(executor))
+    save("waits.json", report)
+
+
 def parity_session() -> None:
     """Float32 parity alone, on a cold machine too: the export is built first when missing."""
     report = {"environment": environment()}
@@ -663,6 +804,100 @@ def parity_session() -> None:
     attempt(report, "parity_float32", parity_float32)
     save("parity.json", report)
     summarise(report)
+
+
+def served(engines: Path, report: dict) -> None:
+    """`omnijev serve` on the 4b (default backend, warmed on the bench workloads), then
+    tools.loadtest: one client, then LOAD_CLIENTS closed-loop clients on the 12-question
+    request; the server's log tail goes into the report."""
+    from tools import bench
+
+    image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
+    warm = []
+    for index, questions in enumerate(bench.workloads().values()):
+        path = WORK / f"warm-{index}.json"
+        path.write_bytes(bench.body(image, "image/png", questions))
+        warm += ["--warm-up", str(path)]
+    port = "8011"
+    command = [
+        sys.executable,
+        "-u",
+        "-m",
+        "runtime.cli",
+        "serve",
+        "--checkpoint",
+        str(WORK / f"{PRESET}-export"),
+        "--engines",
+        str(engines),
+        "--port",
+        port,
+        *warm,
+    ]
+    log_path = WORK / "server.log"
+    started = time.perf_counter()
+    with open(log_path, "wb") as server_log:
+        server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
+    try:
+        report["ready_s"] = wait_ready(f"http://127.0.0.1:{port}/health", server, started)
+        log(f"server ready in {report['ready_s']:.1f} s")
+        load = subprocess.run(
+            [sys.executable, "-m", "tools.loadtest", "--url",
+             f"http://127.0.0.1:{port}/v1/systemone", "--workload", "12 questions",
+             "--clients", str(LOAD_CLIENTS), "--seconds", "30", "--warm-up", "5", "--single",
+             "--out", str(OUT / "load.json")],
+            capture_output=True, text=True, timeout=200,
+        )  # fmt: skip
+        report["loadtest"] = load.stdout[-3000:] + load.stderr[-1500:]
+        log(report["loadtest"])
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        report["server_log_tail"] = log_path.read_text(errors="replace")[-3000:]
+
+
+def wait_ready(url: str, server: subprocess.Popen, started: float) -> float:
+    """Seconds from the server's start to `/health` answering 200."""
+    import urllib.error
+    import urllib.request
+
+    while time.perf_counter() - started < READY_LIMIT_S:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if answer.status == 200:
+                    return time.perf_counter() - started
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server not ready after {READY_LIMIT_S} s")
+
+
+def host_profiles() -> dict:
+    """tools.hostprofile on this machine's cores with 4 and 8 PyTorch threads (patches on the
+    device): the 12-question PNG's host stages."""
+    result = {}
+    for threads in HOST_THREADS:
+        out = OUT / f"host-threads{threads}.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "tools.hostprofile", "--runs", "15", "--device", "cuda",
+             "--threads", str(threads), "--checkpoint", str(WORK / f"{PRESET}-export"),
+             "--out", str(out)],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        result[threads] = done.stdout[-4000:] + done.stderr[-1000:]
+        log(f"host profile, {threads} threads:\n{result[threads]}")
+    return result
+
+
+def serve_session() -> None:
+    """The worker over HTTP under load, then the host profiles: after `final`, same lease."""
+    use_cache_dirs()  # the server process compiles into (and reads) the same caches
+    report = {"environment": environment()}
+    attempt(report, "build", build)
+    attempt(report, "serve", served, engine_dir(Run("bf16")), report)
+    attempt(report, "host_profiles", host_profiles)
+    save("serve.json", report)
 
 
 def summarise(report: dict) -> None:
@@ -690,5 +925,9 @@ if __name__ == "__main__":
         reference_answers(sys.argv[2])
     elif mode == "cold":
         cold_session()
+    elif mode == "serve":
+        serve_session()
+    elif mode == "waits":
+        waits_session()
     else:
         session(final=mode == "final")

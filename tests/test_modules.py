@@ -383,6 +383,39 @@ def test_padding_leaves_states_untouched(tiny):
     assert torch.allclose(short["hidden"], long["hidden"], atol=1e-5)
 
 
+def test_fused_projections_match_and_share_the_weights(tiny):
+    """The torch backend's fused input projections (`fuse()`): the pass outputs of the separate
+    Linears, and each Linear's weight a view of the fused one (one copy of the weights)."""
+    model, export = tiny
+    config = json.loads((export / "config.json").read_text())
+    module = load_language_pass(export, return_state=True)
+    tower, pos_embed = load_vision_tower(export)
+    inputs = {k: torch.from_numpy(v) for k, v in vision_inputs(GRID, pos_embed, config).items()}
+    with torch.no_grad():
+        features = tower(grid_pixels(model), inputs["pos_embeds"], inputs["cos"], inputs["sin"])
+    feeds = pass_feeds(model)
+    separate = run_chain(module_runner(module, config), config, features, feeds)
+    for layer in module.layers:
+        (layer.self_attn if layer.kind == "full_attention" else layer.linear_attn).fuse()
+        layer.mlp.fuse()
+    fused = run_chain(module_runner(module, config), config, features, feeds)
+    for a, b in zip(separate, fused, strict=True):
+        for name in a:
+            assert relative(b[name], a[name]) < 1e-5, name  # float32: the sums' order may move
+    attn = next(layer.self_attn for layer in module.layers if layer.kind == "full_attention")
+    delta = next(layer.linear_attn for layer in module.layers if layer.kind != "full_attention")
+    mlp = module.layers[0].mlp
+    for weight, linears in (
+        (attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)),
+        (delta.in_proj, delta.input_linears()),
+        (mlp.gate_up, (mlp.gate_proj, mlp.up_proj)),
+    ):
+        assert weight is not None
+        for linear in linears:
+            assert linear.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert not any(k.endswith(("qkv", "in_proj", "gate_up")) for k in module.state_dict())
+
+
 def test_full_vocabulary_readout():
     """248,079 embedding rows: the pass's log-probabilities match transformers'."""
     text = dict(TINY_TEXT, vocab_size=248079)

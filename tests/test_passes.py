@@ -13,15 +13,17 @@ from reference.questions import gate_questions, pattern_png, request_body, speed
 from runtime.contract import compile_request
 from runtime.passes import (
     OPTION_ROWS,
-    OPTION_TOKENS,
     QUESTION_ROWS,
     QUESTION_TOKENS,
+    SMALL_QUESTION_OPTIONS,
+    option_family,
     plan,
     rows_for,
 )
 from runtime.processing import prepare
 from runtime.strict_json import parse_body
 from runtime.tokenizer import load_tokenizer
+from tools.bench import choice_with
 
 QUESTIONS = {**speed_bench_questions(12), **gate_questions()}
 IMAGE = pattern_png(320, 224)
@@ -72,7 +74,9 @@ def test_every_pass_has_its_buckets_row_count(tokenizer):
         length = qp.rows.shape[1]
         assert qp.rows.shape[0] == rows_for(length, QUESTION_ROWS, QUESTION_TOKENS)
     for op in work.options:
-        assert op.rows.shape[0] == rows_for(op.rows.shape[1], OPTION_ROWS, OPTION_TOKENS)
+        (qi, _), *_ = op.members
+        family = option_family(len(prepared.layouts[qi].opens))
+        assert op.rows.shape[0] == rows_for(op.rows.shape[1], *family)
     assert len(work.questions) < len(QUESTIONS)  # questions share passes
     _, alone = planned(tokenizer, {"q0": QUESTIONS["q0"]})
     assert [qp.rows.shape for qp in alone.questions] == [(QUESTION_ROWS, 16)]
@@ -93,6 +97,27 @@ def test_a_questions_rows_are_the_same_alone_and_together(tokenizer):
         assert len(expected) == 1 + len(alone.layouts[0].opens), qid
         assert rows_of(prepared, work, qid) == expected, qid
         assert rows_of(backwards, work_backwards, qid) == expected, qid
+
+
+def test_option_families_follow_the_questions_own_option_count(tokenizer):
+    """A question's options run in 32-row passes up to SMALL_QUESTION_OPTIONS options, in
+    64-row passes beyond, whatever the other questions ask: a small question beside a 255-option
+    one keeps the rows it has alone."""
+    wide = choice_with(255)
+    small = {"q0": QUESTIONS["q0"]}
+    prepared, work = planned(tokenizer, {**small, **wide})
+    shapes = {}
+    for op in work.options:
+        for qi, _ in op.members:
+            shapes.setdefault(prepared.layouts[qi].question.id, set()).add(op.rows.shape)
+    assert {rows for rows, _ in shapes["wide"]} == {OPTION_ROWS}
+    assert {rows for rows, _ in shapes["q0"]} == {32}
+    alone, work_alone = planned(tokenizer, small)
+    assert rows_of(alone, work_alone, "q0") == rows_of(prepared, work, "q0")
+    assert option_family(SMALL_QUESTION_OPTIONS) == (32, 256)
+    assert option_family(SMALL_QUESTION_OPTIONS + 1) == (OPTION_ROWS, 512)
+    with pytest.raises(ValueError, match="at most 255 options"):
+        option_family(256)
 
 
 def test_option_rows_continue_their_own_questions_row(tokenizer):

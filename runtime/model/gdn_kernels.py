@@ -21,8 +21,8 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 # value columns per program of the option-row kernel and its warps: a [128, 32] float32 tile of
 # the state is 32 registers a thread at 4 warps. Fixed, not autotuned, so that every process
 # sums in the same order (an autotuner may pick differently after a restart)
-ROWS_BLOCK_V = 32
-ROWS_WARPS = 4
+ROWS_BLOCK_V = 16
+ROWS_WARPS = 1
 # fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
 # one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
 # crossover, docs/measurements/h200-2026-12-01): recurrent faster only for 64 rows × 8 tokens
@@ -133,14 +133,20 @@ def option_rows_gated_delta(
     """Option rows as leaves: row n continues `states[src[n]]` (float32 [S, HV, dk, dv], read
     in place, never gathered per row) and returns only its outputs [B, T, HV, dv] in v's dtype.
     Shapes as `fla_gated_delta`; padded tokens have g = β = 0, which leave the state as it is."""
+    return option_rows(q, k, v, g, beta, states, src, scale)
+
+
+def option_rows(q, k, v, g, beta, states, src, scale, block_v=ROWS_BLOCK_V, warps=ROWS_WARPS):
+    """The option-row kernel at a given tile (value columns per program, warps): the custom op
+    runs the fixed ROWS_BLOCK_V × ROWS_WARPS; scripts/gpu_torch.py times the others."""
     if triton is None:
         raise RuntimeError("the option rows kernel needs triton")
     b, t, heads, dk = q.shape
     value_heads, dv = v.shape[2], v.shape[3]
-    if dv % ROWS_BLOCK_V or dk & (dk - 1) or value_heads % heads:
+    if dv % block_v or dk & (dk - 1) or value_heads % heads:
         raise ValueError(f"option rows kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}")
     out = v.new_empty(v.shape)
-    grid = (dv // ROWS_BLOCK_V, b * value_heads)
+    grid = (dv // block_v, b * value_heads)
     _option_rows_kernel[grid](
         q.contiguous(),
         k.contiguous(),
@@ -156,9 +162,9 @@ def option_rows_gated_delta(
         HV=value_heads,
         K=dk,
         V=dv,
-        BV=ROWS_BLOCK_V,
+        BV=block_v,
         EPS=L2_EPS,
-        num_warps=ROWS_WARPS,
+        num_warps=warps,
     )
     return out
 

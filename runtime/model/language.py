@@ -13,7 +13,15 @@ from torch import nn
 
 from plugins.readout import token_logprobs
 from runtime.model.gdn import CORES, GDN_VARIANTS, l2norm
-from runtime.model.layers import MASKED, MLP, GatedRMSNorm, RMSNorm, rotate_half
+from runtime.model.layers import (
+    MASKED,
+    MLP,
+    GatedRMSNorm,
+    RMSNorm,
+    fuse_linears,
+    fused_product,
+    rotate_half,
+)
 
 READOUT_VARIANTS = ("std", "plugin")
 
@@ -122,14 +130,25 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
         self.attend = grouped_attention  # the torch backend swaps in folded_attention
+        self.register_buffer("qkv", None, persistent=False)  # fuse(): q, k and v as one
+
+    def fuse(self) -> None:
+        fuse_linears(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
+
+    def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv is None:
+            return [linear(x) for linear in linears]
+        return fused_product(x, self.qkv, *linears)
 
     def forward(self, x, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
         b, t, _ = x.shape
-        q, gate = self.q_proj(x).view(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self.projections(x)
+        q, gate = q.reshape(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(b, t, self.heads * self.head_dim)
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(k.reshape(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys = torch.cat([src_k, k], dim=2)
         values = torch.cat([src_v, v], dim=2)
@@ -159,6 +178,19 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.dv, tc["rms_norm_eps"])
         self.out_proj = nn.Linear(self.v_heads * self.dv, hidden, bias=False)
+        self.register_buffer("in_proj", None, persistent=False)  # fuse(): the four as one
+
+    def fuse(self) -> None:
+        fuse_linears(self, "in_proj", *self.input_linears())
+
+    def input_linears(self) -> tuple[nn.Linear, ...]:
+        return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
+    def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """qkv, z, b, a: one product when fused."""
+        if self.in_proj is None:
+            return [linear(x) for linear in self.input_linears()]
+        return fused_product(x, self.in_proj, *self.input_linears())
 
     def conv(self, raw, conv_past, lengths):
         """SiLU(causal depthwise conv) over past + own raw columns; the new conv state."""
@@ -187,11 +219,12 @@ class GatedDeltaNet(nn.Module):
         """With `src`, `rec_past` holds one state per source and row n continues `rec_past[src[n]]`
         (option rows: on CUDA read in place by the kernel, never gathered)."""
         b, t, _ = x.shape
-        mixed, conv_state = self.conv(self.in_proj_qkv(x), conv_past, lengths)
+        raw, z, beta_raw, a = self.projections(x)
+        mixed, conv_state = self.conv(raw, conv_past, lengths)
         key_width = self.k_heads * self.dk
         q, k, v = mixed.split([key_width, key_width, self.v_heads * self.dv], dim=-1)
-        beta = torch.where(valid[..., None], self.in_proj_b(x).sigmoid().float(), 0.0)
-        a = self.in_proj_a(x).float()
+        beta = torch.where(valid[..., None], beta_raw.sigmoid().float(), 0.0)
+        a = a.float()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         g = torch.where(valid[..., None], g, 0.0)
         if self.core == "fla" and not torch.onnx.is_in_onnx_export():
@@ -222,7 +255,7 @@ class GatedDeltaNet(nn.Module):
             v = v.float().reshape(b, t, self.v_heads, self.dv)
             core = CORES[self.gdn if torch.onnx.is_in_onnx_export() else self.core]
             out, rec_state = core(q, k, v, g, beta, rec_past.float())
-        z = self.in_proj_z(x).reshape(b, t, self.v_heads, self.dv)
+        z = z.reshape(b, t, self.v_heads, self.dv)
         y = self.norm(out.to(x.dtype), z).reshape(b, t, self.v_heads * self.dv)
         return self.out_proj(y), conv_state, rec_state
 

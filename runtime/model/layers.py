@@ -13,6 +13,25 @@ LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (model.md §6.2)
 MASKED = torch.finfo(torch.float32).min  # finite, so a row whose keys are all masked stays finite
 
 
+def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
+    """One weight for Linears that read the same input, as the non-persistent buffer `name` of
+    `module`; each Linear's weight becomes a view of it, so the weights stay one copy. One
+    product in place of several: fewer, wider kernels (the torch backend only; the export keeps
+    the checkpoint's Linears)."""
+    weight = torch.cat([linear.weight.data for linear in linears])
+    at = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = weight[at : at + rows]
+        at += rows
+    setattr(module, name, weight)
+
+
+def fused_product(x: torch.Tensor, weight: torch.Tensor, *linears: nn.Linear) -> list:
+    """The outputs of `linears` from their fused weight, in order (views of one product)."""
+    return list(F.linear(x, weight).split([linear.out_features for linear in linears], dim=-1))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -60,6 +79,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.register_buffer("gate_up", None, persistent=False)  # fuse(): gate and up as one
+
+    def fuse(self) -> None:
+        fuse_linears(self, "gate_up", self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = fused_product(x, self.gate_up, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
