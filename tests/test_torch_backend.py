@@ -100,11 +100,14 @@ def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
         assert json.dumps(backwards[qid]) == json.dumps(together[qid]), qid
 
 
-def test_folded_attention_is_grouped_attention():
+@pytest.mark.parametrize("p, own", [(7, 6), (8, 16), (1, 641)])
+def test_folded_attention_is_grouped_attention(p, own):
+    """Also where folded_attention pads the keys to KEY_ALIGN (7 and 6 keys; the prefix pass's
+    1 + 641) and where it does not."""
     from runtime.model.language import folded_attention, grouped_attention
 
     generator = torch.Generator().manual_seed(0)
-    b, heads, kv_heads, t, p, own, hd = 3, 4, 2, 5, 7, 6, 8
+    b, heads, kv_heads, t, hd = 3, 4, 2, 5, 8
 
     def draw(*shape):
         return torch.randn(*shape, generator=generator)

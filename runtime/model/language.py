@@ -24,6 +24,10 @@ from runtime.model.layers import (
 )
 
 READOUT_VARIANTS = ("std", "plugin")
+# folded_attention pads keys to a multiple of this: the prefix pass's 641 own keys (640 + the
+# empty state's one) sent cuBLAS to an SM75 kernel with alignment 1, 0.7 ms of the 4b prefix pass
+# on the H200 (docs/measurements/h200-2026-12-01c)
+KEY_ALIGN = 8
 
 
 def mrope_axes(rotary_dim: int, section: list[int]) -> list[int]:
@@ -85,6 +89,22 @@ def grouped_attention(
     return out.transpose(1, 2).reshape(b, t, heads * hd)
 
 
+def aligned_keys(shared_k, shared_v, keys, values, mask):
+    """The shared and own keys and values padded with masked zero keys to a multiple of
+    KEY_ALIGN each, so that the attention products get aligned operands; the padding's
+    probabilities are exactly 0 and add nothing."""
+    p, q = shared_k.shape[2], keys.shape[2]
+    p_pad, q_pad = (-p) % KEY_ALIGN, (-q) % KEY_ALIGN
+    if not p_pad and not q_pad:
+        return shared_k, shared_v, keys, values, mask
+    pad = (0, 0, 0, p_pad)
+    shared_k, shared_v = F.pad(shared_k, pad), F.pad(shared_v, pad)
+    keys, values = F.pad(keys, (0, 0, 0, q_pad)), F.pad(values, (0, 0, 0, q_pad))
+    masked = mask.new_zeros(*mask.shape[:-1], p_pad + q_pad)
+    mask = torch.cat([mask[..., :p], masked[..., :p_pad], mask[..., p:], masked[..., p_pad:]], -1)
+    return shared_k, shared_v, keys, values, mask
+
+
 def folded_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
@@ -97,6 +117,7 @@ def folded_attention(
     """`grouped_attention` with every row's queries folded into one matrix product against the
     shared keys ([KVH, B·G·T, hd] × [KVH, hd, P]) and back, so that the prefix is read once per
     pass, not as B·G small products (the torch backend's form; the export keeps the other)."""
+    shared_k, shared_v, keys, values, mask = aligned_keys(shared_k, shared_v, keys, values, mask)
     b, heads, t, hd = q.shape
     kv_heads, p = keys.shape[1], shared_k.shape[2]
     group = heads // kv_heads
