@@ -20,7 +20,7 @@ import torch
 from runtime.backends import Backend, choose_backend
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MODEL_ID
-from runtime.images import NORMALIZED, device_pixel_values
+from runtime.images import NORMALIZED, PATCH, device_pixel_values, resize_rgb_torch
 from runtime.lru import LRU
 from runtime.manifest import verify_engine_dir
 from runtime.passes import PREFIX_STEP, OptionPass, Pass, Plan, QuestionPass, bucket, plan
@@ -122,9 +122,11 @@ class Executor:
         from runtime.contract import compile_request
         from runtime.processing import prepare
 
-        # on a GPU the uint8 resized image travels (1.7 MB for the bench still, not 14 MB of
-        # float32 patches) and the patches are made there, byte for byte the host's
-        prepared = prepare(compile_request(obj), self.tokenizer, pack=self.device.type != "cpu")
+        # on a GPU the decoded uint8 image travels (4.3 MB for the bench still, not 14 MB of
+        # float32 patches) and the resize and the patches are made there, byte for byte the
+        # host's: the resize took 6-7 ms of the H200 host's preparation
+        host = self.device.type == "cpu"
+        prepared = prepare(compile_request(obj), self.tokenizer, pack=host, resize=host)
         return self.with_plan(prepared)
 
     def with_plan(self, prepared: Prepared) -> Prepared:
@@ -255,13 +257,23 @@ class Executor:
 
     def pixel_values(self, image: PreparedImage, dtype: torch.dtype) -> torch.Tensor:
         """The vision tower's patches: packed on the host, or made on the device from the uint8
-        resized image (`prepare(pack=False)`)."""
+        resized image (`prepare(pack=False)`) or from the decoded one, resized there too
+        (`prepare(pack=False, resize=False)`, byte for byte the host's resize)."""
         if image.pixel_values is not None:
             return self.tensor(image.pixel_values, dtype)
-        resized = torch.from_numpy(image.resized)
-        if self.device.type == "cuda":
-            resized = resized.pin_memory().to(self.device, non_blocking=True)
+        if image.resized is not None:
+            resized = self.upload_pixels(image.resized)
+        else:
+            height, width = image.grid_thw[1] * PATCH, image.grid_thw[2] * PATCH
+            resized = resize_rgb_torch(self.upload_pixels(image.rgb), height, width)
         return device_pixel_values(resized, self._pixel_table).to(dtype).contiguous()
+
+    def upload_pixels(self, pixels: np.ndarray) -> torch.Tensor:
+        """A uint8 image on the device: one copy into pinned memory (the decoded image may be a
+        read-only view), then an upload the host does not wait for."""
+        host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        host.numpy()[...] = pixels
+        return host.to(self.device, non_blocking=True)
 
     def vision_tables(self, grid: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
@@ -490,9 +502,13 @@ def prefix_key(prepared: Prepared, work: Plan) -> str:
     digest = hashlib.sha256()
     digest.update(work.prefix.input_ids.tobytes())
     digest.update(work.prefix.positions.tobytes())
-    image = prepared.image.resized if prepared.image.resized is not None else prepared.image.rgb
-    digest.update(np.asarray(image.shape, dtype=np.int64).tobytes())
-    digest.update(memoryview(np.ascontiguousarray(image)).cast("B"))
+    image = prepared.image
+    if image.digest is not None:  # the decoded image's, made while preparing
+        digest.update(image.digest)
+    else:
+        pixels = image.resized if image.resized is not None else image.rgb
+        digest.update(np.asarray(pixels.shape, dtype=np.int64).tobytes())
+        digest.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
     return digest.hexdigest()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import binascii
 import ctypes
 import functools
+import hashlib
 import io
 import math
 import re
@@ -54,6 +55,8 @@ FACTOR = PATCH * MERGE  # 32: resized sides are multiples of this
 MIN_PIXELS = 65_536  # §4.8: the processor's min_pixels
 MAX_PIXELS = 768 * 28 * 28  # 602,112: MSO1's budget, overriding the processor config's 401,408
 # mean 0.5 and std 0.5 times 255: transformers' torchvision backend fuses the 1/255 rescale
+CUBIC_A = -0.5  # PyTorch's antialiased bicubic (as PIL's), not the -0.75 of its plain bicubic
+CUBIC_TAPS = 4  # HelperInterpCubic::interp_size
 NORM_MEAN = np.float32(127.5)
 NORM_STD = np.float32(127.5)
 
@@ -515,6 +518,85 @@ def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     return resized[0].permute(1, 2, 0).contiguous().numpy()
 
 
+def cubic_aa(x: float) -> float:
+    """PyTorch's antialiased bicubic filter (HelperInterpCubic::aa_filter, Keys a = -0.5, as
+    PIL), in its expression order."""
+    a = CUBIC_A
+    x = abs(x)
+    if x < 1.0:
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+    if x < 2.0:
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """One axis of `resize_rgb`'s integer resize: source index [out, taps] (int64), int16-range
+    weight [out, taps] (int32; 0 past an output's own taps) and the weights' precision in bits.
+
+    PyTorch's HelperInterpBase::_compute_indices_min_size_weights_aa and
+    _compute_index_ranges_int16_weights (aten/src/ATen/native/cpu/UpSampleKernel.cpp): PIL's
+    centre and support in float64, weights normalised by their sum, rescaled at the largest
+    precision that keeps the axis's largest weight under 2^15, rounded half away from zero."""
+    scale = in_size / out_size
+    support = (CUBIC_TAPS * 0.5) * scale if scale >= 1.0 else CUBIC_TAPS * 0.5
+    taps = math.ceil(support) * 2 + 1
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    index = np.zeros((out_size, taps), dtype=np.int64)
+    weights = np.zeros((out_size, taps), dtype=np.float64)
+    largest = 0.0
+    for i in range(out_size):
+        center = scale * (i + 0.5)
+        xmin = max(int(center - support + 0.5), 0)
+        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), taps)
+        row = [cubic_aa((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
+        total = 0.0
+        for w in row:
+            total += w
+        if total != 0.0:
+            row = [w / total for w in row]
+            largest = max(largest, *row)
+        index[i, :xsize] = np.arange(xmin, xmin + xsize)
+        index[i, xsize:] = xmin
+        weights[i, :xsize] = row
+    precision = 0
+    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weights * (1 << precision)
+    rounded = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5))
+    return index, rounded.astype(np.int32), precision
+
+
+def resize_axis(x, index, weights, precision: int, dim: int):
+    """One integer pass of `resize_rgb` along `dim` of an int32 torch image: Σ pixel × weight
+    plus half an LSB, shifted down by the precision and clamped to 0-255 (still int32)."""
+    import torch
+
+    index = torch.from_numpy(index).to(x.device)
+    weights = torch.from_numpy(weights).to(x.device)
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    total = torch.full_like(x.index_select(dim, index[:, 0]), 1 << (precision - 1))
+    for tap in range(index.shape[1]):
+        total += x.index_select(dim, index[:, tap]) * weights[:, tap].view(shape)
+    return (total >> precision).clamp_(0, 255)
+
+
+def resize_rgb_torch(rgb, height: int, width: int):
+    """`resize_rgb` on a uint8 [H, W, 3] torch tensor on any device, byte for byte (integer
+    arithmetic throughout: width first, the intermediate rounded to uint8, then height, as
+    PyTorch's CPU kernel)."""
+    import torch
+
+    x = rgb.to(torch.int32)
+    if width != rgb.shape[1]:
+        x = resize_axis(x, *resize_taps(rgb.shape[1], width), dim=1)
+    if height != rgb.shape[0]:
+        x = resize_axis(x, *resize_taps(rgb.shape[0], height), dim=0)
+    return x.to(torch.uint8)
+
+
 def check_grid(height: int, width: int, channels: int) -> tuple[int, int]:
     """The patch grid (H/16, W/16) of a resized image, whose sides are multiples of 32."""
     if channels != 3 or height % FACTOR or width % FACTOR:
@@ -560,20 +642,31 @@ def device_pixel_values(resized, table=None):
 
 
 def prepare_image(
-    data: bytes, mime: str, opened: OpenedImage | None = None, pack: bool = True
+    data: bytes,
+    mime: str,
+    opened: OpenedImage | None = None,
+    pack: bool = True,
+    resize: bool = True,
 ) -> PreparedImage:
     """Decodes, resizes, normalizes and packs an image for the vision tower.
 
     With `pack` False the patches are left to the device (`device_pixel_values(resized)`):
     `pixel_values` is then None and the host skips its largest array (14 MB for the bench still).
+    With `resize` False as well, the resize is left to the device too (`resize_rgb_torch(rgb)`):
+    `resized` is None and `digest` names the decoded image for the prefix cache.
     """
     rgb = decode_rgb(data, mime, opened)
     height, width = rgb.shape[:2]
-    resized = resize_rgb(rgb, *smart_resize(height, width))
+    size = smart_resize(height, width)
+    resized = digest = None
+    if pack or resize:
+        resized = resize_rgb(rgb, *size)
+    else:
+        digest = image_digest(rgb)
     if pack:
         pixel_values, grid_thw = normalize_and_pack(resized)
     else:
-        pixel_values, grid_thw = None, (1, *check_grid(*resized.shape))
+        pixel_values, grid_thw = None, (1, *check_grid(*size, 3))
     return PreparedImage(
         width=width,
         height=height,
@@ -581,4 +674,12 @@ def prepare_image(
         pixel_values=pixel_values,
         grid_thw=grid_thw,
         resized=resized,
+        digest=digest,
     )
+
+
+def image_digest(rgb: np.ndarray) -> bytes:
+    """sha256 of an image's shape and bytes: what the prefix cache keys a decoded image by."""
+    digest = hashlib.sha256(np.asarray(rgb.shape, dtype=np.int64).tobytes())
+    digest.update(memoryview(np.ascontiguousarray(rgb)).cast("B"))
+    return digest.digest()

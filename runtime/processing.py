@@ -324,21 +324,25 @@ def prepare(
     tokenizer: Tokenizer,
     image: PreparedImage | None = None,
     pack: bool = True,
+    resize: bool = True,
 ) -> Prepared:
     """Decodes the image (unless given), tokenizes every question and lays out its rows.
 
     With the contract's open image, the decode runs on an image thread while this one tokenizes
     (the image run's length follows from the header's size); its refusals still come first.
-    `pack` False leaves the patches to the device (`runtime.images.prepare_image`).
+    `pack` False leaves the patches to the device, and `resize` False the resize as well
+    (`runtime.images.prepare_image`).
     """
     started = time.perf_counter()
     pending = None
     if image is None:
-        pending = start_image(request, pack)
+        pending = start_image(request, pack, resize)
         if pending is None:
             from runtime.images import prepare_image
 
-            image = prepare_image(request.image_bytes, request.image_mime, request.opened, pack)
+            image = prepare_image(
+                request.image_bytes, request.image_mime, request.opened, pack, resize
+            )
     try:
         tokens = image.image_tokens if image is not None else header_tokens(request)
         drafts, prefix, processed = lay_out(request.questions, tokenizer, tokens)
@@ -363,7 +367,7 @@ _image_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that m
 _image_pool_lock = threading.Lock()
 
 
-def start_image(request: Request, pack: bool = True) -> Future | None:
+def start_image(request: Request, pack: bool = True, resize: bool = True) -> Future | None:
     """`prepare_image` on an image thread, for a request with the contract's open image."""
     global _image_pool
     if request.opened is None:
@@ -376,7 +380,7 @@ def start_image(request: Request, pack: bool = True) -> Future | None:
             pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="omnijev-image")
             _image_pool = (os.getpid(), pool)
     return _image_pool[1].submit(
-        prepare_image, request.image_bytes, request.image_mime, request.opened, pack
+        prepare_image, request.image_bytes, request.image_mime, request.opened, pack, resize
     )
 
 

@@ -49,6 +49,8 @@ class PreparedImage:
     # uint8 [H', W', 3] after the resize: runtime.images.device_pixel_values makes pixel_values
     # from it on the device (an eighth of the bytes to upload)
     resized: np.ndarray | None = None
+    # sha256 of the decoded image, when the device resizes it (prepare_image(resize=False))
+    digest: bytes | None = None
 
     @property
     def image_tokens(self) -> int:

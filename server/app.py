@@ -66,6 +66,10 @@ SMALL_PARSERS = 2  # threads parsing the small bodies, apart from the large ones
 # preparing and responding threads' Python (tokens, layout, heads), so it should wait ~1 ms at
 # most, not 5 (issue 13's overlap).
 GIL_SWITCH_S = 0.001
+# PyTorch's CPU threads in the worker, at most (the heads' products; their bytes do not depend on
+# it, see runtime/__init__.py). The H200's host, 16 cores, heads of 12 questions: 22.0 ms on 16
+# threads, 6.7 on 8, 12.0 on 4 (docs/measurements/h200-2026-12-01c)
+TORCH_THREADS = 8
 # the Host header must name one of these (a browser page elsewhere cannot reach the worker);
 # OMNIJEV_ALLOWED_HOSTS="a,b" replaces them, "*" allows any
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -702,12 +706,21 @@ def bind(host: str, port: int) -> socket.socket:
         raise SystemExit(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def limit_torch_threads(most: int = TORCH_THREADS) -> int:
+    """PyTorch's intra-op threads capped at `most`; the count now."""
+    import torch
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), most)))
+    return torch.get_num_threads()
+
+
 def serve(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM or SIGINT on `sock` (else bind host:port); admitted work finishes
     first, and a clean shutdown exits 0."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     memory.limit_arenas()
     sys.setswitchinterval(GIL_SWITCH_S)
+    limit_torch_threads()
     sock = sock or bind(host, port)
     server = ListeningServer(worker_config(app, host, port), app.state.draining)
     server.run(sockets=[sock])

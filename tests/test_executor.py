@@ -256,6 +256,11 @@ def test_patches_made_on_the_device_give_the_same_answers(executor):
     one = json.dumps(without_latency(executor.execute(packed)))
     executor.prefix_cache.clear()
     assert json.dumps(without_latency(executor.execute(unpacked))) == one
+    # and as a GPU executor prepares: the decoded image resized on the device as well
+    unresized = prepare(compile_request(obj), executor.tokenizer, pack=False, resize=False)
+    assert unresized.image.resized is None
+    executor.prefix_cache.clear()
+    assert json.dumps(without_latency(executor.execute(unresized))) == one
 
 
 def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):

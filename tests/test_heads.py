@@ -336,3 +336,33 @@ def test_heads_fixture_real(case: dict) -> None:
     close(heads.option_logits(zq, u, feats, type_id), case["logits"])
     close(heads.option_mu(zq, u, feats, type_id), case["mu"])
     close(heads.ordinal_mu(zq, u), case["ordinal"])
+
+
+THREADS_CHECK = """
+import runtime, torch, torch.nn.functional as F, hashlib, os
+assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
+weight = torch.randn(1024, 2560, generator=torch.Generator().manual_seed(0)) * 0.02
+digests = []
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    h = hashlib.sha256()
+    for rows in range(1, 14):
+        x = torch.randn(rows, 2560, generator=torch.Generator().manual_seed(rows))
+        h.update(F.linear(x, weight).numpy().tobytes())
+    digests.append(h.hexdigest())
+print(digests[0] == digests[1])
+"""
+
+
+def test_head_products_do_not_depend_on_the_thread_count():
+    """`import runtime` puts MKL in its strict mode: an option head's first product (1024 × 2560,
+    1-13 rows) is the same bytes on 1 and 2 threads (MKL's default mode rounded 5-7 rows
+    differently). A fresh process, as MKL reads the mode at its first call."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS_CHECK], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "True"

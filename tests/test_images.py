@@ -457,6 +457,46 @@ def test_device_pixel_values_equal_the_host_patches(size):
     assert device.contiguous().numpy().tobytes() == host.tobytes()
 
 
+# downscales (the bench still, a 1080p frame, a 4:3 photo), upscales past MIN_PIXELS, a size the
+# budget keeps, one side kept while the other changes, and the aspect ratio's limit
+RESIZE_SIZES = [
+    (1600, 900), (1920, 1080), (1024, 768), (2048, 1536), (65, 33), (457, 123), (320, 224),
+    (320, 500), (200, 1), (3000, 17), (97, 4000),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("size", RESIZE_SIZES)
+def test_the_torch_resize_is_the_host_resize_byte_for_byte(size):
+    """`resize_rgb_torch` (integer arithmetic, any device) against PyTorch's CPU uint8 kernel
+    that `resize_rgb` runs, on noise (every weight and rounding in play) and on a ramp."""
+    from runtime.images import resize_rgb_torch
+
+    width, height = size
+    target = smart_resize(height, width)
+    noise = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), np.uint8)
+    ramp = (np.indices((height, width)).sum(0)[..., None] * [1, 3, 7] % 256).astype(np.uint8)
+    for rgb in (noise, ramp):
+        expected = resize_rgb(rgb, *target)
+        got = resize_rgb_torch(torch.from_numpy(rgb), *target)
+        assert got.dtype == torch.uint8 and got.numpy().tobytes() == expected.tobytes()
+
+
+def test_the_device_may_resize_the_decoded_image():
+    """prepare_image(pack=False, resize=False): no host resize, the grid from the target size, a
+    digest of the decoded image; the device's resize and patches are the host's bytes."""
+    from runtime.images import PATCH, device_pixel_values, image_digest, resize_rgb_torch
+
+    data = encode(Image.fromarray(pattern(333, 217)[0]))
+    packed = prepare_image(data, "image/png")
+    left = prepare_image(data, "image/png", pack=False, resize=False)
+    assert left.resized is None and left.pixel_values is None
+    assert left.grid_thw == packed.grid_thw and left.digest == image_digest(packed.rgb)
+    height, width = left.grid_thw[1] * PATCH, left.grid_thw[2] * PATCH
+    resized = resize_rgb_torch(torch.from_numpy(left.rgb.copy()), height, width)
+    device = device_pixel_values(resized)
+    assert device.contiguous().numpy().tobytes() == packed.pixel_values.tobytes()
+
+
 def test_pack_equals_torchvision_arithmetic():
     rgb = np.random.default_rng(2).integers(0, 256, (96, 64, 3), dtype=np.uint8)
     values, _ = normalize_and_pack(rgb)

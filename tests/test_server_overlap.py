@@ -88,3 +88,19 @@ def test_split_answers_keep_the_order_and_a_failed_respond_is_500() -> None:
     assert answered.status_code == 200
     assert list(answered.json()["answers"]) == list(body["questions"])
     assert [stage for stage, _ in engine.stages("x")] == ["readouts", "respond"]
+
+
+def test_the_worker_caps_torch_threads():
+    """serve() caps PyTorch's CPU threads (TORCH_THREADS): more made the heads slower on the
+    H200's 16-core host; fewer than the machine has stay as they are."""
+    import torch
+
+    from server.app import limit_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert limit_torch_threads(1) == 1
+        torch.set_num_threads(before)
+        assert limit_torch_threads(before + 4) == before
+    finally:
+        torch.set_num_threads(before)

@@ -35,7 +35,9 @@ STAGES = (
     "response JSON",
 )
 HOST_TOTAL = "host total"
-HOST_TOTAL_DEVICE = "host total, patches on device"  # prepare(pack=False), where there is one
+# the executor's path on a GPU: prepare(pack=False, resize=False), the decoded image uploaded,
+# resized and patched on the device (where `prepare` can)
+HOST_TOTAL_DEVICE = "host total, resize + patches on device"
 # the executor's other way to the vision input (runtime.images.device_pixel_values): not summed
 DEVICE_UPLOAD = "upload uint8 + device patches"
 
@@ -123,15 +125,19 @@ def upload(prepared, work, device) -> None:
 
 
 def upload_resized(prepared, device) -> None:
-    """The resized uint8 image through pinned memory, patches made on the device."""
+    """The resized uint8 image through pinned memory, patches made on the device; or, prepared
+    with resize=False, the decoded image, resized there first."""
     import torch
 
-    from runtime.images import device_pixel_values
+    from runtime.images import PATCH, device_pixel_values, resize_rgb_torch
 
-    resized = torch.from_numpy(prepared.image.resized)
+    image = prepared.image
+    pixels = torch.from_numpy(image.resized if image.resized is not None else image.rgb.copy())
     if device.type == "cuda":
-        resized = resized.pin_memory().to(device, non_blocking=True)
-    device_pixel_values(resized).to(torch.bfloat16)
+        pixels = pixels.pin_memory().to(device, non_blocking=True)
+    if image.resized is None:
+        pixels = resize_rgb_torch(pixels, image.grid_thw[1] * PATCH, image.grid_thw[2] * PATCH)
+    device_pixel_values(pixels).to(torch.bfloat16)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -223,7 +229,7 @@ def profile_once(body: bytes, tokenizer, heads, calibration, device, times: dict
 
 def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = True) -> float:
     """The same path end to end with the runtime's own entry points (prepare, plan, respond);
-    `pack` False makes the patches on the device from the uploaded uint8 image."""
+    `pack` False resizes and makes the patches on the device from the uploaded uint8 image."""
     from runtime import finish
     from runtime.contract import compile_request
     from runtime.finish import answer_question
@@ -233,7 +239,10 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
 
     started = TIMERS["total"]()
     request = compile_request(parse_body(body))
-    prepared = prepare(request, tokenizer, pack=False) if not pack else prepare(request, tokenizer)
+    if pack:
+        prepared = prepare(request, tokenizer)
+    else:
+        prepared = prepare(request, tokenizer, pack=False, resize=False)
     work = plan(prepared)
     upload(prepared, work, device)
     between = TIMERS["total"]()
@@ -252,12 +261,12 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
 
 
 def can_unpack() -> bool:
-    """Whether this runtime's `prepare` can leave the patches to the device."""
+    """Whether this runtime's `prepare` can leave the resize and the patches to the device."""
     import inspect
 
     from runtime.processing import prepare
 
-    return "pack" in inspect.signature(prepare).parameters
+    return "resize" in inspect.signature(prepare).parameters
 
 
 def profile(
