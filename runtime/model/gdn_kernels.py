@@ -18,9 +18,11 @@ try:  # Triton exists only beside a CUDA build of torch; the CPU runs the eager 
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
-# value columns per program of the option-row kernel and its warps: a [128, 32] float32 tile of
-# the state is 32 registers a thread at 4 warps. Fixed, not autotuned, so that every process
-# sums in the same order (an autotuner may pick differently after a restart)
+# value columns per program of the option-row kernel and its warps: a [128, 16] float32 tile of
+# the state in one warp, whose sums over the key dimension stay within the warp. The fastest of
+# six tiles on the H200 for every option-pass shape (64 × 8 from 16 sources: 0.118 ms against
+# 0.202 at 32 × 4; docs/measurements/h200-2026-12-01c). Fixed, not autotuned, so that every
+# process sums in the same order (an autotuner may pick differently after a restart)
 ROWS_BLOCK_V = 16
 ROWS_WARPS = 1
 # fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
