@@ -568,13 +568,21 @@ def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
     return index, rounded.astype(np.int32), precision
 
 
+@functools.lru_cache(maxsize=64)
+def device_taps(in_size: int, out_size: int, device) -> tuple:
+    """`resize_taps` on a device, made once per size pair (an upload from pageable memory would
+    make the host wait for the device)."""
+    import torch
+
+    index, weights, precision = resize_taps(in_size, out_size)
+    return torch.from_numpy(index).to(device), torch.from_numpy(weights).to(device), precision
+
+
 def resize_axis(x, index, weights, precision: int, dim: int):
     """One integer pass of `resize_rgb` along `dim` of an int32 torch image: Σ pixel × weight
     plus half an LSB, shifted down by the precision and clamped to 0-255 (still int32)."""
     import torch
 
-    index = torch.from_numpy(index).to(x.device)
-    weights = torch.from_numpy(weights).to(x.device)
     shape = [1] * x.dim()
     shape[dim] = -1
     total = torch.full_like(x.index_select(dim, index[:, 0]), 1 << (precision - 1))
@@ -591,9 +599,9 @@ def resize_rgb_torch(rgb, height: int, width: int):
 
     x = rgb.to(torch.int32)
     if width != rgb.shape[1]:
-        x = resize_axis(x, *resize_taps(rgb.shape[1], width), dim=1)
+        x = resize_axis(x, *device_taps(rgb.shape[1], width, rgb.device), dim=1)
     if height != rgb.shape[0]:
-        x = resize_axis(x, *resize_taps(rgb.shape[0], height), dim=0)
+        x = resize_axis(x, *device_taps(rgb.shape[0], height, rgb.device), dim=0)
     return x.to(torch.uint8)
 
 
