@@ -503,7 +503,7 @@ def prefix_key(prepared: Prepared, work: Plan) -> str:
     digest.update(work.prefix.input_ids.tobytes())
     digest.update(work.prefix.positions.tobytes())
     image = prepared.image
-    if image.digest is not None:  # the decoded image's, made while preparing
+    if image.digest is not None:  # the encoded image's, made while preparing
         digest.update(image.digest)
     else:
         pixels = image.resized if image.resized is not None else image.rgb

@@ -49,7 +49,7 @@ class PreparedImage:
     # uint8 [H', W', 3] after the resize: runtime.images.device_pixel_values makes pixel_values
     # from it on the device (an eighth of the bytes to upload)
     resized: np.ndarray | None = None
-    # sha256 of the decoded image, when the device resizes it (prepare_image(resize=False))
+    # sha256 of the encoded image, when the device resizes it (prepare_image(resize=False))
     digest: bytes | None = None
 
     @property

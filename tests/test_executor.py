@@ -156,6 +156,27 @@ def test_prefix_cache_reuses_the_image_prefix_without_changing_answers(executor)
     assert executor.prefix_cache.misses == 4 and len(executor.prefix_cache.entries) == 2
 
 
+def test_prefix_keys_of_images_the_device_resizes(executor):
+    """prepare(resize=False) keys the image prefix by the encoded image's digest: the same
+    request gives the same key, another image another key, and the key is not the one of the
+    same image resized on the host (the two kinds never meet in one worker)."""
+    from runtime.contract import compile_request
+    from runtime.executor import prefix_key
+    from runtime.passes import plan
+    from runtime.processing import prepare
+    from runtime.strict_json import parse_body
+
+    def key(image: bytes, resize: bool) -> str:
+        obj = parse_body(request_body(image, speed_bench_questions(1)))
+        prepared = prepare(compile_request(obj), executor.tokenizer, pack=False, resize=resize)
+        return prefix_key(prepared, plan(prepared))
+
+    first, other = pattern_png(96, 64), pattern_png(64, 48)
+    assert key(first, False) == key(first, False)
+    assert key(first, False) != key(other, False)
+    assert key(first, True) == key(first, True) != key(first, False)
+
+
 def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypatch):
     """OMNIJEV_STATIC_SHAPES: one session per shape signature with its dimensions fixed (the way
     to CUDA graphs on ONNX Runtime), built in the background while the dynamic session answers;

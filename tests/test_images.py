@@ -483,14 +483,15 @@ def test_the_torch_resize_is_the_host_resize_byte_for_byte(size):
 
 def test_the_device_may_resize_the_decoded_image():
     """prepare_image(pack=False, resize=False): no host resize, the grid from the target size, a
-    digest of the decoded image; the device's resize and patches are the host's bytes."""
+    digest of the encoded image; the device's resize and patches are the host's bytes."""
     from runtime.images import PATCH, device_pixel_values, image_digest, resize_rgb_torch
 
     data = encode(Image.fromarray(pattern(333, 217)[0]))
     packed = prepare_image(data, "image/png")
     left = prepare_image(data, "image/png", pack=False, resize=False)
     assert left.resized is None and left.pixel_values is None
-    assert left.grid_thw == packed.grid_thw and left.digest == image_digest(packed.rgb)
+    assert left.grid_thw == packed.grid_thw and left.digest == image_digest(data, "image/png")
+    assert left.digest != image_digest(data, "image/jpeg")
     height, width = left.grid_thw[1] * PATCH, left.grid_thw[2] * PATCH
     resized = resize_rgb_torch(torch.from_numpy(left.rgb.copy()), height, width)
     device = device_pixel_values(resized)
