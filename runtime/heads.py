@@ -35,13 +35,25 @@ ORDINAL_FLOOR = np.float32(1e-8)  # OrdinalScoreHead clamps each level probabili
 # 2 cores, against 1.3 ms with one library (measured with 4b-sized heads).
 SQRT_HALF = math.sqrt(0.5)
 # The MLPs whose first Linear reads D-wide rows (the large weights): `questions_mu` runs each of
-# them over every question before the next. 12 questions, 4b-sized heads, 2-core CI machine:
-# 17.7 ms of CPU question by question, 11.5 ms layer by layer. What is left is MKL's sgemm for
-# a few rows: ~0.15 ms for one row and ~0.5 ms for 4-5 rows against a 10 MiB weight, whatever
-# the order (issue 13). Stacking several questions' rows into one product would read each weight
-# once, but MKL rounds a row differently for 1, 2, 3, 5, 6, 7 ... rows (measured: torch 2.13,
-# MKL 2024.2, AVX-512), and so would a transposed weight: each question keeps its own products.
+# them over every question's rows before the next. 12 questions, 4b-sized heads, 2-core CI
+# machine: 17.7 ms of CPU question by question, 11.5 ms layer by layer, each question its own
+# product (MKL's sgemm for a few rows: ~0.15 ms for one row, ~0.5 ms for 4-5 against a 10 MiB
+# weight). Without MKL's reproducibility mode a row's bytes also followed the row count (1-3
+# and 5-7 rows differed) and the thread count; with it (runtime/__init__.py) only 1-3 rows do,
+# hence MIN_PRODUCT_ROWS, and one product over all the questions' rows gives their own bytes.
 FIRST_LINEAR_ORDER = ("head.que", "head.opt", "ord.z", "ord.cut")
+# Every product has at least this many rows (zero rows fill the rest, then are dropped): MKL
+# 2024.2 (AVX-512, default and strict modes) runs 1-3 rows through other kernels, whose rows
+# differ from the same rows in a larger product; from 4 rows on they were equal, at any offset,
+# up to 300 rows (1024 × 2560 with bias). With that, the MLPs above take every question's rows
+# in ONE product, each weight read once, and a question still gets the bytes it gets alone;
+# `Heads.stackable` checks the property layer by layer on the machine at hand and keeps
+# per-question products where it does not hold.
+MIN_PRODUCT_ROWS = 4
+# the rows (sub-products at offsets) that check checks against one product of STACK_CHECK_ROWS
+STACK_CHECK_ROWS = 320
+STACK_CHECK_SIZES = (4, 5, 7, 8, 13, 16, 33, 64, 255)
+STACK_CHECK_OFFSETS = (0, 5, 37)
 
 
 def option_width(hidden: int) -> int:
@@ -190,6 +202,29 @@ class Heads:
                 raise ValueError(f"heads: {name} is not finite")
             self.w[name] = np.ascontiguousarray(array)
         self.t = {name: torch.from_numpy(array) for name, array in self.w.items()}
+        self.stackable = frozenset(
+            layer
+            for mlp in FIRST_LINEAR_ORDER
+            for layer in (f"{mlp}.0", f"{mlp}.2")
+            if self.rows_invariant(layer)
+        )
+
+    def rows_invariant(self, layer: str) -> bool:
+        """Whether Linear `layer` gives a row the same bytes in a product of any number
+        (≥ MIN_PRODUCT_ROWS) of rows, wherever the row sits (STACK_CHECK_*). The wide layers
+        do on the CI machine; the 1-wide outputs of the ordinal head (a matrix-vector kernel)
+        do not, and keep one product a question."""
+        weight, bias = self.t[f"{layer}.weight"], self.t[f"{layer}.bias"]
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(STACK_CHECK_ROWS, weight.shape[1], generator=generator)
+        with torch.inference_mode():
+            full = torch.nn.functional.linear(x, weight, bias)
+            for rows in STACK_CHECK_SIZES:
+                for at in STACK_CHECK_OFFSETS:
+                    part = torch.nn.functional.linear(x[at : at + rows], weight, bias)
+                    if not torch.equal(part, full[at : at + rows]):
+                        return False
+        return True
 
     @classmethod
     def from_safetensors(cls, path: str | Path, hidden: int | None = None) -> Heads:
@@ -199,10 +234,14 @@ class Heads:
         return cls(load_file(str(path)), hidden)
 
     def _dense(self, name: str, x: np.ndarray) -> np.ndarray:
+        """`nn.Linear` in float32 on rows [N, in], as a product of at least MIN_PRODUCT_ROWS."""
+        rows = x.shape[0]
+        if rows < MIN_PRODUCT_ROWS:
+            x = np.concatenate([x, np.zeros((MIN_PRODUCT_ROWS - rows, x.shape[1]), x.dtype)])
         inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         weight, bias = self.t[f"{name}.weight"], self.t[f"{name}.bias"]
         with torch.inference_mode():
-            return torch.nn.functional.linear(inputs, weight, bias).numpy()
+            return torch.nn.functional.linear(inputs, weight, bias).numpy()[:rows]
 
     def _mlp(self, name: str, x: np.ndarray, first: dict | None = None) -> np.ndarray:
         """Linear → exact GELU → Linear; `first` may hold the MLP's output already (`{name}`),
@@ -353,6 +392,22 @@ def question_mu(
     return heads.option_mu(readout.zq, readout.u, feats, TYPE_IDS[question_type], first)
 
 
+def dense_layer(heads: Heads, layer: str, jobs: list[tuple[np.ndarray, dict, str]]) -> None:
+    """`layer` on each job's rows, into `outputs[key]`: one product over all of them where the
+    layer is stackable, else a product a job."""
+    if layer not in heads.stackable:
+        for rows, outputs, key in jobs:
+            outputs[key] = heads._dense(layer, rows)
+        return
+    if not jobs:
+        return
+    product = heads._dense(layer, np.concatenate([rows for rows, _, _ in jobs]))
+    at = 0
+    for rows, outputs, key in jobs:
+        outputs[key] = product[at : at + rows.shape[0]]
+        at += rows.shape[0]
+
+
 def questions_mu(
     heads: Heads,
     items: Sequence[tuple[str, QuestionReadout]],
@@ -360,10 +415,10 @@ def questions_mu(
     lm_feats: bool = True,
 ) -> list[np.ndarray]:
     """`question_mu` of several (type, readout) pairs, each MLP's Linears applied to every
-    question in turn (first Linears, then second ones), so that a weight (10 MiB at D = 2560)
-    is read from memory once rather than once a question. Every Linear call and its input are
-    `question_mu`'s own, one question at a time: the same bytes, never a product over several
-    questions' rows, and the same refusals in the same order."""
+    question's rows at once (first Linears, then second ones), so that a weight (10 MiB at
+    D = 2560) is read from memory once rather than once a question: one product over all the
+    questions' rows for the layers in `heads.stackable` (the same bytes as alone, checked at
+    load), else the questions in turn. The same refusals in the same order."""
     wanted = [
         heads.first_inputs(kind, readout, ordinal) if kind in TYPE_IDS else {}
         for kind, readout in items
@@ -371,13 +426,12 @@ def questions_mu(
     made: list[dict] = [{} for _ in items]
     with torch.inference_mode(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for name in FIRST_LINEAR_ORDER:
-            for inputs, outputs in zip(wanted, made, strict=True):
-                if name in inputs:
-                    outputs[f"{name}.0"] = heads._dense(f"{name}.0", inputs[name])
+            pairs = zip(wanted, made, strict=True)
+            jobs = [(inputs[name], out, f"{name}.0") for inputs, out in pairs if name in inputs]
+            dense_layer(heads, f"{name}.0", jobs)
         for name in FIRST_LINEAR_ORDER:
-            for outputs in made:
-                if f"{name}.0" in outputs:
-                    outputs[name] = heads._dense(f"{name}.2", gelu(outputs[f"{name}.0"]))
+            jobs = [(gelu(m[f"{name}.0"]), m, name) for m in made if f"{name}.0" in m]
+            dense_layer(heads, f"{name}.2", jobs)
         return [
             question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
             for (kind, readout), outputs in zip(items, made, strict=True)

@@ -73,3 +73,36 @@ def test_answer_questions_equals_answer_question():
     pairs = zip(questions, readouts, strict=True)
     alone = [answer_question(heads, calibration, q, r, 0.25, 0.5) for q, r in pairs]
     assert together == alone
+
+
+def test_wide_layers_stack_and_give_each_question_its_own_bytes():
+    """On this machine's MKL (strict mode) the wide Linears are row-invariant from 4 rows on, so
+    `questions_mu` runs each over all questions' rows in one product; the 1-wide ordinal outputs
+    are not and stay per question. The bytes are each question's alone either way."""
+    heads, rng = random_heads(2560), np.random.default_rng(7)
+    if not {"head.que.0", "head.opt.0"} <= heads.stackable:
+        pytest.skip(f"MKL here is not row-invariant: {sorted(heads.stackable)}")
+    assert "ord.z.2" not in heads.stackable
+    items = mixed(rng, 2560, 12)
+    together = questions_mu(heads, items)
+    for (kind, r), mu in zip(items, together, strict=True):
+        assert mu.tobytes() == question_mu(heads, kind, r).tobytes()
+
+
+def test_layers_that_are_not_row_invariant_are_not_stacked(monkeypatch):
+    """A Linear whose rows follow the row count (here: made so) fails the load-time check and
+    keeps one product a question, still each question's own bytes."""
+    import torch
+
+    plain = torch.nn.functional.linear
+
+    def by_row_count(x, weight, bias=None):
+        return plain(x, weight, bias) + x.shape[0] * 1e-3
+
+    monkeypatch.setattr(torch.nn.functional, "linear", by_row_count)
+    heads, rng = random_heads(64), np.random.default_rng(8)
+    assert heads.stackable == frozenset()
+    items = mixed(rng, 64, 6)
+    together = questions_mu(heads, items)
+    for (kind, r), mu in zip(items, together, strict=True):
+        assert mu.tobytes() == question_mu(heads, kind, r).tobytes()
