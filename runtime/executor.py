@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from runtime.backends import Backend, choose_backend
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MODEL_ID
-from runtime.images import NORMALIZED, PATCH, device_pixel_values, resize_rgb_torch
+from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.manifest import verify_engine_dir
 from runtime.passes import PREFIX_STEP, OptionPass, Pass, Plan, QuestionPass, bucket, plan
@@ -261,19 +262,8 @@ class Executor:
         (`prepare(pack=False, resize=False)`, byte for byte the host's resize)."""
         if image.pixel_values is not None:
             return self.tensor(image.pixel_values, dtype)
-        if image.resized is not None:
-            resized = self.upload_pixels(image.resized)
-        else:
-            height, width = image.grid_thw[1] * PATCH, image.grid_thw[2] * PATCH
-            resized = resize_rgb_torch(self.upload_pixels(image.rgb), height, width)
-        return device_pixel_values(resized, self._pixel_table).to(dtype).contiguous()
-
-    def upload_pixels(self, pixels: np.ndarray) -> torch.Tensor:
-        """A uint8 image on the device: one copy into pinned memory (the decoded image may be a
-        read-only view), then an upload the host does not wait for."""
-        host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        host.numpy()[...] = pixels
-        return host.to(self.device, non_blocking=True)
+        upload = partial(self.tensor, dtype=torch.uint8)
+        return device_image_patches(image, upload, self._pixel_table).to(dtype).contiguous()
 
     def vision_tables(self, grid: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
@@ -291,12 +281,15 @@ class Executor:
         return wanted if wanted in names else names[0]
 
     def tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """A host array on the device; on CUDA through pinned memory without waiting, so that
-        the host prepares the next pass while the device runs this one."""
-        host_tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            host_tensor = host_tensor.pin_memory()
-        return host_tensor.to(self.device, dtype, non_blocking=True).contiguous()
+        """A host array on the device; on CUDA through one copy into pinned memory (the array
+        may be a read-only view, as a decoded image is) and without waiting, so that the host
+        prepares the next pass while the device runs this one."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
+        kind = torch.from_numpy(np.empty(0, array.dtype)).dtype
+        pinned = torch.empty(array.shape, dtype=kind, pin_memory=True)
+        pinned.numpy()[...] = array
+        return pinned.to(self.device, dtype, non_blocking=True)
 
     def empty_state(self) -> State:
         """A state with no past (P = Q = 1, masked) and zero recurrent state: exactly empty."""

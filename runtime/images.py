@@ -552,7 +552,7 @@ def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
         xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), taps)
         row = [cubic_aa((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
         total = 0.0
-        for w in row:
+        for w in row:  # in order, as C++ adds (Python 3.12's sum() compensates)
             total += w
         if total != 0.0:
             row = [w / total for w in row]
@@ -647,6 +647,16 @@ def device_pixel_values(resized, table=None):
     values = table[ordered.long()]
     shape = (grid_h * grid_w, 3, TEMPORAL, PATCH * PATCH)
     return values.expand(shape).reshape(grid_h * grid_w, 3 * TEMPORAL * PATCH**2)
+
+
+def device_image_patches(image: PreparedImage, upload: Callable, table=None):
+    """`device_pixel_values` of a prepared image on the device: from its resized image, or from
+    the decoded one resized there first (`prepare_image(pack=False, resize=False)`); `upload`
+    puts a uint8 array on the device."""
+    if image.resized is not None:
+        return device_pixel_values(upload(image.resized), table)
+    height, width = image.grid_thw[1] * PATCH, image.grid_thw[2] * PATCH
+    return device_pixel_values(resize_rgb_torch(upload(image.rgb), height, width), table)
 
 
 def prepare_image(

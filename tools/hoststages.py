@@ -125,19 +125,19 @@ def upload(prepared, work, device) -> None:
 
 
 def upload_resized(prepared, device) -> None:
-    """The resized uint8 image through pinned memory, patches made on the device; or, prepared
-    with resize=False, the decoded image, resized there first."""
+    """The executor's device path: the resized (or, prepared with resize=False, the decoded)
+    uint8 image through pinned memory, resized there if need be, patches made there."""
     import torch
 
-    from runtime.images import PATCH, device_pixel_values, resize_rgb_torch
+    from runtime.images import device_image_patches
 
-    image = prepared.image
-    pixels = torch.from_numpy(image.resized if image.resized is not None else image.rgb.copy())
-    if device.type == "cuda":
-        pixels = pixels.pin_memory().to(device, non_blocking=True)
-    if image.resized is None:
-        pixels = resize_rgb_torch(pixels, image.grid_thw[1] * PATCH, image.grid_thw[2] * PATCH)
-    device_pixel_values(pixels).to(torch.bfloat16)
+    def upload(pixels: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(pixels.copy())
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
+
+    device_image_patches(prepared.image, upload).to(torch.bfloat16)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -19,7 +19,7 @@ from runtime.model.layers import (
     GatedRMSNorm,
     RMSNorm,
     fuse_linears,
-    fused_product,
+    projections,
     rotate_half,
 )
 
@@ -156,15 +156,9 @@ class GatedAttention(nn.Module):
     def fuse(self) -> None:
         fuse_linears(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
 
-    def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
-        linears = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv is None:
-            return [linear(x) for linear in linears]
-        return fused_product(x, self.qkv, *linears)
-
     def forward(self, x, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
         b, t, _ = x.shape
-        q, k, v = self.projections(x)
+        q, k, v = projections(x, self.qkv, self.q_proj, self.k_proj, self.v_proj)
         q, gate = q.reshape(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(b, t, self.heads * self.head_dim)
         q = self.q_norm(q).transpose(1, 2)
@@ -207,12 +201,6 @@ class GatedDeltaNet(nn.Module):
     def input_linears(self) -> tuple[nn.Linear, ...]:
         return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
-    def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """qkv, z, b, a: one product when fused."""
-        if self.in_proj is None:
-            return [linear(x) for linear in self.input_linears()]
-        return fused_product(x, self.in_proj, *self.input_linears())
-
     def conv(self, raw, conv_past, lengths):
         """SiLU(causal depthwise conv) over past + own raw columns; the new conv state."""
         full = torch.cat([conv_past, raw.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
@@ -240,7 +228,7 @@ class GatedDeltaNet(nn.Module):
         """With `src`, `rec_past` holds one state per source and row n continues `rec_past[src[n]]`
         (option rows: on CUDA read in place by the kernel, never gathered)."""
         b, t, _ = x.shape
-        raw, z, beta_raw, a = self.projections(x)
+        raw, z, beta_raw, a = projections(x, self.in_proj, *self.input_linears())
         mixed, conv_state = self.conv(raw, conv_past, lengths)
         key_width = self.k_heads * self.dk
         q, k, v = mixed.split([key_width, key_width, self.v_heads * self.dv], dim=-1)

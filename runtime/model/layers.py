@@ -27,8 +27,11 @@ def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
     setattr(module, name, weight)
 
 
-def fused_product(x: torch.Tensor, weight: torch.Tensor, *linears: nn.Linear) -> list:
-    """The outputs of `linears` from their fused weight, in order (views of one product)."""
+def projections(x: torch.Tensor, weight: torch.Tensor | None, *linears: nn.Linear) -> list:
+    """The outputs of `linears`, in order: views of one product where `fuse_linears` made their
+    fused `weight`, else each Linear's own."""
+    if weight is None:
+        return [linear(x) for linear in linears]
     return list(F.linear(x, weight).split([linear.out_features for linear in linears], dim=-1))
 
 
@@ -85,8 +88,5 @@ class MLP(nn.Module):
         fuse_linears(self, "gate_up", self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = fused_product(x, self.gate_up, self.gate_proj, self.up_proj)
+        gate, up = projections(x, self.gate_up, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(gate) * up)
