@@ -28,6 +28,8 @@ class RuntimeConfig:
     question_batch: int = QUESTION_BATCH  # rows of a question pass (at most MAX_QUESTION_BATCH)
     static_shapes: bool | None = None  # ONNX Runtime: a session per shape signature
     cuda_graphs: bool | None = None  # replay passes as CUDA graphs
+    fit_rows: bool | None = None  # passes sized to the request; None: where the engine's
+    # arithmetic keeps a row's bytes whatever the row count (the torch backend checks at load)
     share_weights: bool = True  # ONNX Runtime sessions share one copy of the weights
     ort_threads: int = 0  # ONNX Runtime intra-op threads; 0: its default (one on CUDA)
     plugin_library: str | None = None  # the TensorRT readout plugin; None: plugins/build/
@@ -106,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, text in (
         ("static-shapes", "ONNX Runtime session per shape (default: on CUDA)"),
         ("cuda-graphs", "replay passes as CUDA graphs (default: on CUDA)"),
+        ("fit-rows", "passes sized to the request (default: where the engine keeps bytes)"),
         ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
     ):
         group.add_argument(

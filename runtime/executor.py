@@ -134,10 +134,16 @@ class Executor:
         """The request with its pass plan made now, on the preparing thread, not on the
         execution thread."""
         started = time.perf_counter()
-        rows = self.config.question_batch
-        work = plan(prepared, rows)
+        shape = self.pass_shape()
+        work = plan(prepared, *shape)
         seconds = prepared.prepare_seconds + time.perf_counter() - started
-        return replace(prepared, planned=(rows, work), prepare_seconds=seconds)
+        return replace(prepared, planned=(shape, work), prepare_seconds=seconds)
+
+    def pass_shape(self) -> tuple[int, bool]:
+        """(question pass rows, fitted passes) of this executor's plans: fitted where the
+        backend keeps a row's bytes whatever the row count (`rows_fit`) and not turned off."""
+        fit = self.config.fit_rows is not False and getattr(self.backend, "rows_fit", False)
+        return self.config.question_batch, bool(fit)
 
     def warm_up_request(self) -> dict:
         return warm_up_request()
@@ -184,9 +190,8 @@ class Executor:
         """Hidden states and log-probabilities of every question, through the engines. Every
         pass is enqueued before any readout comes back to the host (one wait, at the end); the
         options of a question pass run straight after it, while its states are the freshest."""
-        rows = self.config.question_batch
-        planned = prepared.planned
-        work = planned[1] if planned and planned[0] == rows else plan(prepared, rows)
+        shape, planned = self.pass_shape(), prepared.planned
+        work = planned[1] if planned and planned[0] == shape else plan(prepared, *shape)
         clock = Stopwatch(self.stages, self.stage_sync)
         with torch.inference_mode():
             key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None

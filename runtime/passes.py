@@ -4,7 +4,8 @@ Follows the prefix-reuse executor of the native worker (model.md §12.1) with on
 splits are fixed points of each question's own sequence, never the reference's cross-question
 prefix `L`, and every pass has a fixed row count per length bucket (and, for options, per family
 of the question's own option count), so the shape a question runs in, and its rows' contents,
-never depend on the other questions (docs/design.md).
+never depend on the other questions (docs/design.md). Fitted plans (`fit`) give a pass only the
+rows it holds, for engines whose arithmetic keeps a row's bytes whatever the row count.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ OPTION_FAMILIES = (
     (SMALL_QUESTION_OPTIONS, 32, 256),  # 32 rows × 8, 16 × 16, 8 × 24, ...
     (MAX_OPTIONS, OPTION_ROWS, OPTION_TOKENS),  # 64 rows × 8, 32 × 16, 16 × 24, ...
 )
+# Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
+# next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
+# engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch
+# backend checks its products at load and pads those that do not: TorchBackend.rows_fit).
+# torch.compile's dynamic shapes specialise a size of 1, so a 1-row pass would run code
+# compiled apart from the other row counts: passes keep at least this many rows
+MIN_FITTED_ROWS = 2
+FIT_TOKENS = max(QUESTION_TOKENS, OPTION_TOKENS)  # token slots of the largest fitted pass
 
 
 def bucket(n: int, step: int) -> int:
@@ -75,6 +84,13 @@ def option_family(count: int) -> tuple[int, int]:
         if count <= most:
             return rows, tokens
     raise ValueError(f"at most {MAX_OPTIONS} options, got {count}")
+
+
+def fitted_rows(count: int, size: int, fit: bool) -> int:
+    """Rows of a pass holding `count` rows of a bucket whose fixed count is `size`."""
+    if not fit:
+        return size
+    return min(size, batch_bucket(max(count, MIN_FITTED_ROWS), size))
 
 
 def padded(values: list[int], filler: int) -> list[int]:
@@ -198,9 +214,11 @@ def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
     return ids, np.broadcast_to(base + np.arange(len(ids)), (3, len(ids))).astype(np.int64)
 
 
-def plan_questions(prepared: Prepared, start: int, rows: int) -> list[QuestionPass]:
+def plan_questions(
+    prepared: Prepared, start: int, rows: int, fit: bool = False
+) -> list[QuestionPass]:
     """Question texts by length bucket, `rows` rows a pass (fewer for long buckets: rows_for)
-    whatever the count asked."""
+    whatever the count asked; with `fit`, as many as the pass holds (fitted_rows)."""
     spans = [question_span(layout, start) for layout in prepared.layouts]
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
@@ -210,7 +228,7 @@ def plan_questions(prepared: Prepared, start: int, rows: int) -> list[QuestionPa
         size = rows_for(length, rows, QUESTION_TOKENS)
         for chunk_start in range(0, len(members), size):
             chunk = members[chunk_start : chunk_start + size]
-            p = empty_pass(size, length)
+            p = empty_pass(fitted_rows(len(chunk), size, fit), length)
             qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
             for row, qi in enumerate(chunk):
                 ids, positions = spans[qi]
@@ -228,10 +246,12 @@ def plan_questions(prepared: Prepared, start: int, rows: int) -> list[QuestionPa
     return passes
 
 
-def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> list[OptionPass]:
+def plan_options(
+    prepared: Prepared, question_passes: list[QuestionPass], fit: bool = False
+) -> list[OptionPass]:
     """The options of one question pass's questions by family (option_family of the question's
     option count) and length bucket, the family's rows a pass (fewer for long buckets:
-    rows_for), each row continuing its question's row."""
+    rows_for; with `fit`, as many as the pass holds), each row continuing its question's row."""
     passes = []
     for pi, qp in enumerate(question_passes):
         groups: dict[tuple[tuple[int, int], int], list[tuple[int, int, int]]] = {}
@@ -245,7 +265,7 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
             size = rows_for(length, family_rows, family_tokens)
             for chunk_start in range(0, len(rows), size):
                 chunk = rows[chunk_start : chunk_start + size]
-                p = empty_pass(size, length)
+                p = empty_pass(fitted_rows(len(chunk), size, fit), length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
                 for row, (qi, k, source) in enumerate(chunk):
                     layout = prepared.layouts[qi]
@@ -264,9 +284,10 @@ def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> lis
     return passes
 
 
-def plan(prepared: Prepared, question_rows: int = QUESTION_ROWS) -> Plan:
+def plan(prepared: Prepared, question_rows: int = QUESTION_ROWS, fit: bool = False) -> Plan:
     """The passes of a request; question passes have `question_rows` rows, option passes their
-    family's (fewer for long buckets), whatever else the request asks."""
+    family's (fewer for long buckets), whatever else the request asks; with `fit`, each pass
+    only the rows it holds (MIN_FITTED_ROWS at least)."""
     prefix, n = plan_prefix(prepared)
-    questions = plan_questions(prepared, n, question_rows)
-    return Plan(prefix, n, questions, plan_options(prepared, questions))
+    questions = plan_questions(prepared, n, question_rows, fit)
+    return Plan(prefix, n, questions, plan_options(prepared, questions, fit))

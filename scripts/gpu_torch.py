@@ -12,10 +12,11 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py parity     # build when missing; float32 parity alone
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
-`--no-crossover` skips fla's crossover, `--no-kernels` the option-row tiles, `--no-parity` the
-float32 parity at the end of `final` (with the reference it ran past a 390-second guard);
-SWEEP_UNTIL_S bounds the sweep; a carried
-`.gpu-cache/` (the `caches.tar.xz.*` pieces a dev call returned) warms the compiler caches.
+`--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
+`--no-crossover` fla's crossover, `--no-kernels` the option-row tiles, `--no-parity` the float32
+parity at the end of `final` (with the reference it ran past a 390-second guard); SWEEP_UNTIL_S
+bounds the sweep; a carried `.gpu-cache/` (the `caches.tar.xz.*` pieces a dev call returned)
+warms the compilers.
 
 fla-core goes to its own folder, named by FLA_PATH and on PYTHONPATH, so that the float32
 reference runs without it (see reference_answers):
@@ -394,6 +395,16 @@ def gpu_stages(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
     return rows
 
 
+def fixed_rows(executor, workloads: dict) -> list[dict]:
+    """The GPU stages with passes of fixed rows (fit_rows off), beside the fitted default."""
+    kept = executor.config
+    executor.config = kept.with_(fit_rows=False)
+    try:
+        return gpu_stages(executor, workloads)
+    finally:
+        executor.config = kept
+
+
 def synced_stages(executor, prepared, runs: int = 5) -> dict[str, float]:
     """Device time per stage: the stage clock waits for the device at each lap (a few tenths
     of a millisecond more in all than the unsynchronised runs)."""
@@ -751,12 +762,18 @@ def session(final: bool) -> None:
     if isinstance(executor, dict):
         return
     report["backend"] = executor.backend.name
+    report["pass_shape"] = executor.pass_shape()
+    floors = getattr(executor.backend, "row_floors", {})
+    report["row_floors"] = {"x".join(map(str, k)): v for k, v in floors.items()}
+    log(f"pass shape {report['pass_shape']}, row floors {report['row_floors']}")
     workloads = prepared_workloads(executor)
     if not TINY:
         attempt(report, "product_rows", product_rows, executor)
     attempt(report, "gpu_stages", gpu_stages, executor, workloads)
     report["warm_stats"] = executor.backend.stats()
     attempt(report, "invariance", invariance, executor)
+    if executor.pass_shape()[1] and "--no-fixed" not in sys.argv:
+        attempt(report, "fixed_rows", fixed_rows, executor, workloads)
     attempt(report, "host_waits", host_waits, executor, workloads)
     if final:
         attempt(report, "requests", whole_requests, executor, workloads)
@@ -773,6 +790,8 @@ def session(final: bool) -> None:
         attempt(report, "reference_fla", reference_latency, workloads)
         if "--no-parity" not in sys.argv:  # parity alone: `parity` (a call of its own fits)
             attempt(report, "parity_float32", parity_float32)
+        if "--host" in sys.argv:  # the host profiles of `serve`, in this lease
+            attempt(report, "host_profiles", host_profiles)
     profile_text = report.pop("profile", {})
     save("profile.txt", "\n\n".join(f"## {k}\n{v}" for k, v in profile_text.items()))
     save("report.json", report)
@@ -785,8 +804,9 @@ def cold_session() -> None:
     attempt(report, "build", build)
     attempt(report, "cold_start", cold_start, WORK / f"engines-{PRESET}-cold")
     save("cold_start.json", report)
-    attempt(report, "parity_float32", parity_float32)
-    save("cold_start.json", report)
+    if "--no-parity" not in sys.argv:
+        attempt(report, "parity_float32", parity_float32)
+        save("cold_start.json", report)
     summarise(report)
 
 
@@ -907,6 +927,8 @@ def summarise(report: dict) -> None:
     summary = [f"backend {report.get('backend')}, load {report.get('load_s', 0):.1f} s"]
     if isinstance(report.get("gpu_stages"), list):
         summary += ["GPU stages", latency_table(report["gpu_stages"])]
+    if isinstance(report.get("fixed_rows"), list):
+        summary += ["GPU stages, fixed rows", latency_table(report["fixed_rows"])]
     if isinstance(report.get("requests"), list):
         reference = report.get("reference_fla")
         reference = reference if isinstance(reference, list) else None

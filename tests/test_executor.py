@@ -290,9 +290,10 @@ def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):
 
     obj = json.loads(request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png"))
     prepared = executor.prepare(obj)
-    rows, work = prepared.planned
-    assert rows == executor.config.question_batch
-    assert work.prefix.input_ids.tolist() == plan(prepared, rows).prefix.input_ids.tolist()
+    shape, work = prepared.planned
+    rows, fit = shape
+    assert shape == (executor.config.question_batch, executor.pass_shape()[1])
+    assert work.prefix.input_ids.tolist() == plan(prepared, *shape).prefix.input_ids.tolist()
     expected = executor.execute(prepared)
 
     made = []
@@ -305,6 +306,6 @@ def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):
     again = executor.execute(prepared)
     assert made == []  # the prepared plan served
     assert without_latency(again) == without_latency(expected)
-    stale = dataclasses.replace(prepared, planned=(rows + 1, work))
+    stale = dataclasses.replace(prepared, planned=((rows + 1, fit), work))
     assert without_latency(executor.execute(stale)) == without_latency(expected)
     assert made == [rows]  # a plan for other question rows is made again

@@ -141,3 +141,22 @@ def test_one_row_question_passes_keep_one_question_a_pass(tokenizer):
     prepared, work = planned(tokenizer, QUESTIONS, rows=1)
     assert len(work.questions) == len(QUESTIONS)
     assert all(len(qp.members) == 1 for qp in work.questions)
+
+
+def test_fitted_passes_hold_only_the_rows_they_need(tokenizer):
+    """plan(fit=True): the next power of two of the rows a pass holds, at least MIN_FITTED_ROWS,
+    at most the bucket's fixed count; the rows themselves as in the fixed plan."""
+    from runtime.passes import MIN_FITTED_ROWS
+
+    for questions in ({"q0": QUESTIONS["q0"]}, QUESTIONS):
+        prepared, fixed = planned(tokenizer, questions)
+        fitted = plan(prepared, QUESTION_ROWS, fit=True)
+        assert len(fitted.questions) == len(fixed.questions)
+        for a, b in zip(fitted.questions, fixed.questions, strict=True):
+            held = len(a.members)
+            assert a.rows.shape[0] == max(MIN_FITTED_ROWS, 1 << (held - 1).bit_length())
+            assert a.rows.shape[0] <= b.rows.shape[0] and a.members == b.members
+            assert a.rows.input_ids.tolist() == b.rows.input_ids[: a.rows.shape[0]].tolist()
+        for a, b in zip(fitted.options, fixed.options, strict=True):
+            assert a.rows.shape[0] <= b.rows.shape[0] and a.members == b.members
+            assert a.rows.shape[0] >= len(a.members) and a.u_read == b.u_read

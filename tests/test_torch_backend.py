@@ -122,6 +122,51 @@ def test_folded_attention_is_grouped_attention(p, own):
     expected = grouped_attention(q, shared_k, shared_v, keys, values, mask, 0.3)
     got = folded_attention(q, shared_k, shared_v, keys, values, mask, 0.3)
     assert torch.allclose(got, expected, atol=1e-6)
+    # fitted passes: the products over min_tokens // T rows, the same attention
+    fitted = folded_attention(q, shared_k, shared_v, keys, values, mask, 0.3, min_tokens=8 * t)
+    assert fitted.shape == got.shape and torch.allclose(fitted, got, atol=1e-6)
+
+
+def test_a_row_floor_pads_the_product_and_gives_the_rows_their_bytes():
+    from runtime.backends.compiled import FLOOR_CANDIDATES, row_floor
+    from runtime.model.layers import product
+
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(24, 40, generator=generator)
+    x = torch.randn(3, 5, 40, generator=generator)
+    plain = product(x, weight)
+    padded = product(x, weight, {(24, 40): 64})
+    assert padded.shape == plain.shape == (3, 5, 24)
+    assert torch.allclose(padded, plain, atol=1e-5)
+    floor = row_floor(weight, 64)
+    assert floor in FLOOR_CANDIDATES
+    rows = torch.randn(64, 40, generator=generator)
+    floors = {(24, 40): floor}
+    full = product(rows, weight, floors)
+    assert all(torch.equal(product(rows[:m], weight, floors), full[:m]) for m in (8, 16, 56))
+
+
+def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
+    """The CPU engine's products pass the row check, so its passes are sized to the request;
+    the invariance test above then runs fitted passes of every row count."""
+    from runtime.passes import MIN_FITTED_ROWS, QUESTION_ROWS
+
+    backend = executor.backend
+    assert backend.rows_fit and executor.pass_shape() == (QUESTION_ROWS, True)
+    assert set(backend.row_floors) == {tuple(w.shape) for w in product_weights(backend)}
+    prepared = executor.prepare(
+        json.loads(request_body(pattern_png(64, 64), speed_bench_questions(1), "image/png"))
+    )
+    work = prepared.planned[1]
+    assert [qp.rows.shape[0] for qp in work.questions] == [MIN_FITTED_ROWS]
+    options = len(prepared.layouts[0].opens)
+    assert sum(op.rows.shape[0] for op in work.options) < 2 * max(options, MIN_FITTED_ROWS)
+
+
+def product_weights(backend) -> list:
+    from runtime.backends.compiled import product_weights as weights
+
+    return weights(backend.language)
 
 
 def test_readout_pieces_match_the_plugin_arithmetic():

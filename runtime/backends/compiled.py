@@ -30,6 +30,8 @@ from runtime.model.language import (
     lm_output_names,
     pass_body,
 )
+from runtime.model.layers import product
+from runtime.passes import FIT_TOKENS
 
 log = logging.getLogger("omnijev.torch")
 
@@ -54,6 +56,15 @@ VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made
 # shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
 READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens")
 READOUT_OUTPUTS = ("hidden", "logprobs")
+# Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
+# count. The products are checked at load, on this machine, for every row count a fitted pass
+# can give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of FIT_TOKENS
+# rows; one that differs is padded to the first of FLOOR_CANDIDATES under which none does. On
+# the H200 (cuBLAS, BF16) the narrow products split their inner sum below 64 rows (K 4,096)
+# and 384 rows (K 9,216); the wide ones never did (docs/measurements/h200-2026-12-01c)
+FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
+ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
+FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
 
 
 def versions() -> dict[str, str | None]:
@@ -201,6 +212,7 @@ class TorchBackend:
         self.vision, _ = load_vision_tower(checkpoint, self.dtype)
         self.vision = self.vision.to(self.device)
         self.prepare_modules(cuda)
+        self.rows_fit = config.fit_rows is not False and self.fit_rows()
         self.table = padded_table(self.language.embed_tokens.weight.data)
         self.language.embed_tokens.weight.data = self.table[: self.vocab]
         self.functions = self.make_functions()
@@ -253,6 +265,30 @@ class TorchBackend:
             block.sdpa = cuda and half
         for module in (self.language, self.vision):
             module.requires_grad_(False)
+
+    def fit_rows(self) -> bool:
+        """Whether passes may be fitted to the request: each product gets the row floor under
+        which its rows' bytes do not follow the row count (row_floor), the folded attention
+        one shape per length (folded_attention's min_tokens), fla's one cumsum kernel that
+        its autotuner keys by batch size one configuration. False, and nothing changed, when
+        some product has no such floor."""
+        floors = {}
+        for weight in product_weights(self.language):
+            floor = row_floor(weight, FIT_TOKENS)
+            if floor is None:
+                log.warning("product %s: no row floor, passes keep fixed rows", weight.shape)
+                return False
+            floors[tuple(weight.shape)] = floor
+        log.info("row floors %s", floors)
+        self.row_floors = floors
+        for layer in self.language.layers:
+            block = layer.self_attn if layer.kind == "full_attention" else layer.linear_attn
+            block.row_floors = layer.mlp.row_floors = floors
+            if layer.kind == "full_attention":
+                block.attend = partial(folded_attention, min_tokens=FIT_TOKENS)
+        if self.fla:
+            pin_fla_cumsum()
+        return True
 
     def make_functions(self) -> dict:
         """The three graphs' bodies and the readout piece. On CUDA compiled by region: the
@@ -410,6 +446,58 @@ class TorchBackend:
             for at in range(0, count + pad, READOUT_PIECE)
         ]
         return torch.cat(pieces)[:count]
+
+
+def product_weights(language) -> list[torch.Tensor]:
+    """One weight of each shape the passes multiply by, as they run it (fused where fused)."""
+    found: dict[tuple, torch.Tensor] = {}
+    for layer in language.layers:
+        if layer.kind == "full_attention":
+            attn = layer.self_attn
+            weights = [attn.qkv, attn.o_proj.weight]
+        else:
+            delta = layer.linear_attn
+            weights = [delta.in_proj, delta.out_proj.weight]
+        weights += [layer.mlp.gate_up, layer.mlp.down_proj.weight]
+        for weight in weights:
+            if weight is not None:
+                found.setdefault(tuple(weight.shape), weight)
+    return list(found.values())
+
+
+def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
+    """The first of FLOOR_CANDIDATES under which every multiple of ROW_STEP rows below `tokens`
+    gives each row the bytes it has in a product of `tokens` rows; None if none does."""
+    generator = torch.Generator(device=weight.device).manual_seed(FLOOR_SEED)
+    x = torch.randn(
+        tokens, weight.shape[1], generator=generator, device=weight.device, dtype=weight.dtype
+    )
+    full = product(x, weight)
+    for floor in FLOOR_CANDIDATES:
+        floors = {tuple(weight.shape): floor}
+        rows = range(ROW_STEP, tokens, ROW_STEP)
+        if all(torch.equal(product(x[:m], weight, floors), full[:m]) for m in rows):
+            return floor
+    return None
+
+
+def pin_fla_cumsum() -> None:
+    """fla's chunk-local cumsum is autotuned over warp counts keyed by batch size, and a scan's
+    sum order follows its warps: with fitted passes a question's gates could be summed
+    differently as its pass's rows change. One configuration (one warp: a chunk is 64 values)
+    takes the autotuner out of it."""
+    from fla.ops.utils import cumsum
+
+    pinned = 0
+    for name in dir(cumsum):
+        tuner = getattr(cumsum, name)
+        while tuner is not None and not hasattr(tuner, "configs"):
+            tuner = getattr(tuner, "fn", None)  # under triton.heuristics
+        if tuner is not None and "B" in getattr(tuner, "keys", ()):
+            tuner.configs = tuner.configs[:1]
+            pinned += 1
+    if not pinned:
+        log.warning("no fla cumsum autotuner keyed by batch size found to pin")
 
 
 def stand_in(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

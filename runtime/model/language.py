@@ -19,6 +19,7 @@ from runtime.model.layers import (
     GatedRMSNorm,
     RMSNorm,
     fuse_linears,
+    product,
     projections,
     rotate_half,
 )
@@ -113,32 +114,56 @@ def folded_attention(
     values: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    min_tokens: int = 0,
 ) -> torch.Tensor:
     """`grouped_attention` with every row's queries folded into one matrix product against the
     shared keys ([KVH, B·G·T, hd] × [KVH, hd, P]) and back, so that the prefix is read once per
-    pass, not as B·G small products (the torch backend's form; the export keeps the other)."""
+    pass, not as B·G small products (the torch backend's form; the export keeps the other).
+
+    With `min_tokens` (fitted passes) each of the four products runs over `min_tokens // T`
+    rows (zero rows appended, cut after): one shape per length bucket whatever the pass's row
+    count, so a row's bytes cannot follow the kernel its row count would pick. The softmax and
+    the rest see the real rows only."""
     shared_k, shared_v, keys, values, mask = aligned_keys(shared_k, shared_v, keys, values, mask)
     b, heads, t, hd = q.shape
     kv_heads, p = keys.shape[1], shared_k.shape[2]
     group = heads // kv_heads
+    folded_rows = b * group * t
+    if min_tokens:
+        rows = torch.sym_max(min_tokens // t, b)
+
+        def fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
+            size = rows if dim == 0 else rows * group * t
+            extra = list(x.shape)
+            extra[dim] = size - x.shape[dim]
+            return torch.cat([x, x.new_zeros(extra)], dim=dim)
+    else:
+
+        def fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
+            return x
+
     qg = q.reshape(b, kv_heads, group, t, hd)
-    folded = qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, b * group * t, hd)
-    shared = folded @ shared_k[0].transpose(-1, -2)
+    folded = qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, hd)
+    shared = (fixed(folded, 1) @ shared_k[0].transpose(-1, -2))[:, :folded_rows]
     shared = shared.reshape(kv_heads, b, group, t, p).permute(1, 0, 2, 3, 4)
-    own = qg @ keys[:, :, None].transpose(-1, -2)
+    own = (fixed(qg, 0) @ fixed(keys, 0)[:, :, None].transpose(-1, -2))[:b]
     scores = torch.cat([shared, own], dim=-1) * scale
     scores = torch.where(mask[:, None, None], scores.float(), MASKED)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     p_shared, p_own = probs.split([p, keys.shape[2]], dim=-1)
-    p_folded = p_shared.permute(1, 0, 2, 3, 4).reshape(kv_heads, b * group * t, p)
-    from_shared = (p_folded @ shared_v[0]).reshape(kv_heads, b, group, t, hd)
-    out = from_shared.permute(1, 0, 2, 3, 4).float() + (p_own @ values[:, :, None]).float()
+    p_folded = p_shared.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, p)
+    from_shared = (fixed(p_folded, 1) @ shared_v[0])[:, :folded_rows]
+    from_shared = from_shared.reshape(kv_heads, b, group, t, hd).permute(1, 0, 2, 3, 4)
+    from_own = (fixed(p_own, 0) @ fixed(values, 0)[:, :, None])[:b]
+    out = from_shared.float() + from_own.float()
     out = out.to(values.dtype).reshape(b, heads, t, hd)
     return out.transpose(1, 2).reshape(b, t, heads * hd)
 
 
 class GatedAttention(nn.Module):
     """Qwen3_5Attention: query + sigmoid gate per head, q/k norms, partial M-RoPE, GQA."""
+
+    row_floors: dict | None = None  # `product`'s floors, set by the torch backend
 
     def __init__(self, tc: dict):
         super().__init__()
@@ -158,7 +183,8 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
         b, t, _ = x.shape
-        q, k, v = projections(x, self.qkv, self.q_proj, self.k_proj, self.v_proj)
+        floors = self.row_floors
+        q, k, v = projections(x, self.qkv, self.q_proj, self.k_proj, self.v_proj, floors=floors)
         q, gate = q.reshape(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(b, t, self.heads * self.head_dim)
         q = self.q_norm(q).transpose(1, 2)
@@ -168,12 +194,14 @@ class GatedAttention(nn.Module):
         keys = torch.cat([src_k, k], dim=2)
         values = torch.cat([src_v, v], dim=2)
         attn = self.attend(q, prefix_k, prefix_v, keys, values, mask, self.head_dim**-0.5)
-        return self.o_proj(attn * torch.sigmoid(gate)), k, v
+        return product(attn * torch.sigmoid(gate), self.o_proj.weight, floors), k, v
 
 
 class GatedDeltaNet(nn.Module):
     """Qwen3_5GatedDeltaNet continuing a conv and recurrent state; pads (t ≥ length) leave
     both states untouched (decay 0, beta 0; conv state = last K−1 valid raw columns)."""
+
+    row_floors: dict | None = None  # `product`'s floors, set by the torch backend
 
     def __init__(self, tc: dict, gdn: str):
         super().__init__()
@@ -228,7 +256,8 @@ class GatedDeltaNet(nn.Module):
         """With `src`, `rec_past` holds one state per source and row n continues `rec_past[src[n]]`
         (option rows: on CUDA read in place by the kernel, never gathered)."""
         b, t, _ = x.shape
-        raw, z, beta_raw, a = projections(x, self.in_proj, *self.input_linears())
+        floors = self.row_floors
+        raw, z, beta_raw, a = projections(x, self.in_proj, *self.input_linears(), floors=floors)
         mixed, conv_state = self.conv(raw, conv_past, lengths)
         key_width = self.k_heads * self.dk
         q, k, v = mixed.split([key_width, key_width, self.v_heads * self.dv], dim=-1)
@@ -266,7 +295,7 @@ class GatedDeltaNet(nn.Module):
             out, rec_state = core(q, k, v, g, beta, rec_past.float())
         z = z.reshape(b, t, self.v_heads, self.dv)
         y = self.norm(out.to(x.dtype), z).reshape(b, t, self.v_heads * self.dv)
-        return self.out_proj(y), conv_state, rec_state
+        return product(y, self.out_proj.weight, floors), conv_state, rec_state
 
 
 class DecoderLayer(nn.Module):

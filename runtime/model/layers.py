@@ -27,12 +27,30 @@ def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
     setattr(module, name, weight)
 
 
-def projections(x: torch.Tensor, weight: torch.Tensor | None, *linears: nn.Linear) -> list:
+def product(x: torch.Tensor, weight: torch.Tensor, floors: dict | None = None) -> torch.Tensor:
+    """`x @ weight.T`, over at least `floors[weight.shape]` rows (zero rows appended, cut
+    after) where the map names a floor: the matrix-product library picks its kernel by shape,
+    and below some row count it splits the inner sum, so a row's bytes would follow the number
+    of rows (TorchBackend.rows_fit measures the floors; None or 0: the plain product)."""
+    floor = floors.get(tuple(weight.shape), 0) if floors else 0
+    if not floor:
+        return F.linear(x, weight)
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    # sym_max: under torch.compile the padding is an expression of the row count, not a guard
+    padded = F.pad(flat, (0, 0, 0, torch.sym_max(floor - rows, 0)))
+    return F.linear(padded, weight)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def projections(
+    x: torch.Tensor, weight: torch.Tensor | None, *linears: nn.Linear, floors: dict | None = None
+) -> list:
     """The outputs of `linears`, in order: views of one product where `fuse_linears` made their
-    fused `weight`, else each Linear's own."""
+    fused `weight` (at least `floors`' rows: `product`), else each Linear's own."""
     if weight is None:
         return [linear(x) for linear in linears]
-    return list(F.linear(x, weight).split([linear.out_features for linear in linears], dim=-1))
+    sizes = [linear.out_features for linear in linears]
+    return list(product(x, weight, floors).split(sizes, dim=-1))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +95,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
+    row_floors: dict | None = None  # `product`'s floors, set by the torch backend
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -88,5 +108,6 @@ class MLP(nn.Module):
         fuse_linears(self, "gate_up", self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = projections(x, self.gate_up, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
+        floors = self.row_floors
+        gate, up = projections(x, self.gate_up, self.gate_proj, self.up_proj, floors=floors)
+        return product(F.silu(gate) * up, self.down_proj.weight, floors)
