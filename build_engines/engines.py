@@ -332,9 +332,13 @@ def build_torch_artifacts(
     write_manifest(engine_dir, manifest)
     config = RuntimeConfig.from_env(backend="torch", question_batch=question_rows or QUESTION_ROWS)
     executor = load_engine(str(checkpoint_dir), str(engine_dir), config)
-    executor.answer(json_module.dumps(executor.warm_up_request()).encode())
-    for body in warm_up or []:
+    loaded = time.perf_counter()
+    warm_seconds = []  # per warm-up request: what a cold start spends where
+    for body in [json_module.dumps(executor.warm_up_request()).encode(), *(warm_up or [])]:
+        at = time.perf_counter()
         executor.answer(body)
+        warm_seconds.append(round(time.perf_counter() - at, 2))
+    hashed = time.perf_counter()
     digest, count = tree_digest(folder)
     manifest["torch"] = {
         "dir": compiled.TORCH_DIR,
@@ -343,6 +347,9 @@ def build_torch_artifacts(
         "sha256": digest,
         "files": count,
         "seconds": round(time.perf_counter() - started, 2),
+        "load_seconds": round(loaded - started, 2),
+        "warm_up_seconds": warm_seconds,
+        "hash_seconds": round(time.perf_counter() - hashed, 2),
     }
     write_manifest(engine_dir, manifest)
     return manifest["torch"]

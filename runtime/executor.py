@@ -142,7 +142,7 @@ class Executor:
     def pass_shape(self) -> tuple[int, bool]:
         """(question pass rows, fitted passes) of this executor's plans: fitted where the
         backend keeps a row's bytes whatever the row count (`rows_fit`) and not turned off."""
-        fit = self.config.fit_rows is not False and getattr(self.backend, "rows_fit", False)
+        fit = self.config.fit_rows is not False and self.backend.rows_fit
         return self.config.question_batch, bool(fit)
 
     def warm_up_request(self) -> dict:

@@ -49,7 +49,7 @@ OPTION_FAMILIES = (
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
 # engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch
-# backend checks its products at load and pads those that do not: TorchBackend.rows_fit).
+# backend checks its products at load and pads those that do not: TorchBackend.fit_rows).
 # torch.compile's dynamic shapes specialise a size of 1, so a 1-row pass would run code
 # compiled apart from the other row counts: passes keep at least this many rows
 MIN_FITTED_ROWS = 2

@@ -161,6 +161,14 @@ def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     assert [qp.rows.shape[0] for qp in work.questions] == [MIN_FITTED_ROWS]
     options = len(prepared.layouts[0].opens)
     assert sum(op.rows.shape[0] for op in work.options) < 2 * max(options, MIN_FITTED_ROWS)
+    kept = executor.config
+    try:  # --no-fit-rows: the buckets' fixed row counts again
+        executor.config = kept.with_(fit_rows=False)
+        assert executor.pass_shape() == (QUESTION_ROWS, False)
+        fixed = executor.with_plan(prepared).planned[1]
+        assert [qp.rows.shape[0] for qp in fixed.questions] == [QUESTION_ROWS]
+    finally:
+        executor.config = kept
 
 
 def product_weights(backend) -> list:
@@ -226,3 +234,18 @@ def test_compiled_layer_blocks_answer_as_the_eager_modules(engines):
     assert report["input_tokens_equal"] and not report["flips"]
     assert len(report["differences"]) == 3
     assert max(report["differences"]) <= PARITY
+
+
+def test_torch_artifacts_record_versions_and_where_a_start_spends(engines, tmp_path):
+    """`omnijev engines --torch-artifacts` on the CPU (nothing compiles there, the record is the
+    same): the versions and hash the backend checks at load, the load and warm-up seconds."""
+    from build_engines.engines import build_torch_artifacts
+    from runtime.backends.compiled import check_artifacts, versions
+
+    body = request_body(pattern_png(64, 48), speed_bench_questions(2), "image/png")
+    record = build_torch_artifacts(engines[0], tmp_path, "float32", [body])
+    assert record["versions"] == versions() and len(record["sha256"]) == 64
+    assert len(record["warm_up_seconds"]) == 2  # the built-in request, then the one given
+    assert 0 < record["load_seconds"] <= record["seconds"]
+    assert json.loads((tmp_path / "engines.json").read_text())["torch"] == record
+    assert check_artifacts(tmp_path) is not None

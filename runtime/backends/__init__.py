@@ -26,6 +26,8 @@ class Backend(Protocol):
     device: torch.device  # where feeds and outputs live
     max_pass_tokens: int | None  # the longest pass it takes in one run (None: any); longer
     # passes are split by the executor
+    rows_fit: bool  # a row's outputs are the same bytes whatever the pass's row count, so the
+    # executor may size passes to the request (runtime.passes.fitted_rows)
 
     def has_graph(self, graph: str) -> bool:
         """Whether this graph exists (`lm_rows` is optional: `lm_state` answers option passes)."""

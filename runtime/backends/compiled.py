@@ -60,8 +60,8 @@ READOUT_OUTPUTS = ("hidden", "logprobs")
 # count. The products are checked at load, on this machine, for every row count a fitted pass
 # can give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of FIT_TOKENS
 # rows; one that differs is padded to the first of FLOOR_CANDIDATES under which none does. On
-# the H200 (cuBLAS, BF16) the narrow products split their inner sum below 64 rows (K 4,096)
-# and 384 rows (K 9,216); the wide ones never did (docs/measurements/h200-2026-12-01c)
+# the H200 (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows
+# (K 9,216), the wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)

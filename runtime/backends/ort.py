@@ -233,6 +233,7 @@ class OrtBackend:
         cuda_graphs = config.on(config.cuda_graphs, on_gpu)
         folder = onnx_dir(engines_dir)
         self.max_pass_tokens = max_pass_tokens(folder)
+        self.rows_fit = False  # kernels follow the shape: passes keep fixed row counts
         # one session per shape signature with its dimensions fixed, so that ONNX Runtime folds
         # the shape arithmetic that otherwise keeps nodes on the CPU and CUDA graphs off
         self.static = config.on(config.static_shapes, on_gpu)

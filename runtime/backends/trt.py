@@ -170,6 +170,7 @@ class TensorRTBackend:
         self.name = plans["library"]
         self.device = torch.device(config.device or "cuda")
         self.max_pass_tokens = plans["max_pass_tokens"]  # the executor splits longer passes
+        self.rows_fit = False  # kernels follow the shape: passes keep fixed row counts
         self.capture = config.on(config.cuda_graphs, True)
         self._lock = threading.Lock()  # one enqueue at a time: contexts share scratch memory
         with torch.cuda.device(self.device):

@@ -31,7 +31,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, floors: dict | None = None) -
     """`x @ weight.T`, over at least `floors[weight.shape]` rows (zero rows appended, cut
     after) where the map names a floor: the matrix-product library picks its kernel by shape,
     and below some row count it splits the inner sum, so a row's bytes would follow the number
-    of rows (TorchBackend.rows_fit measures the floors; None or 0: the plain product)."""
+    of rows (TorchBackend.fit_rows measures the floors; None or 0: the plain product)."""
     floor = floors.get(tuple(weight.shape), 0) if floors else 0
     if not floor:
         return F.linear(x, weight)
