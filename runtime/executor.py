@@ -372,11 +372,42 @@ class Executor:
             shapes[f"rec.{j}"] = ((b, d.value_heads, d.key_dim, d.value_dim), dt["src_rec.0"])
         lender = getattr(self.backend, "state_buffer", None) if lend else None
         for name, (shape, dtype) in shapes.items():
-            if lender is not None:
-                out[f"out_{name}"] = lender(f"src_{name}", shape, dtype)
+            if lender is not None:  # the pass's rows of the lent buffer (source_rows)
+                whole = lender(f"src_{name}", (self.source_rows(b), *shape[1:]), dtype)
+                out[f"out_{name}"] = whole[:b]
             else:
                 out[f"out_{name}"] = torch.empty(shape, dtype=dtype, device=self.device)
         return out
+
+    def source_rows(self, rows: int) -> int:
+        """Rows of the buffers a question pass lends its states into: the question passes'
+        row count, whatever this pass's (fitted passes have fewer), so that an option pass's
+        sources have one shape per question length and its CUDA graph does not also follow
+        the number of questions asked; the rows past the pass's are never read."""
+        return max(rows, self.config.question_batch)
+
+    def lent(self, state: State, rows: Pass) -> State:
+        """A question pass's states as the whole buffers it wrote them into (`outputs`), the
+        mask widened alike."""
+        lender = getattr(self.backend, "state_buffer", None)
+        b = rows.shape[0]
+        widest = self.source_rows(b)
+        if lender is None or widest == b:
+            return state
+
+        def whole(name: str, part: torch.Tensor) -> torch.Tensor:
+            return lender(f"src_{name}", (widest, *part.shape[1:]), part.dtype)
+
+        lengths = np.zeros(widest, dtype=np.int64)
+        lengths[:b] = rows.lengths
+        positions = torch.arange(rows.shape[1], device=self.device)
+        return State(
+            k=[whole(f"k.{i}", t) for i, t in enumerate(state.k)],
+            v=[whole(f"v.{i}", t) for i, t in enumerate(state.v)],
+            mask=positions[None, :] < self.tensor(lengths, torch.int64)[:, None],
+            conv=[whole(f"conv.{j}", t) for j, t in enumerate(state.conv)],
+            rec=[whole(f"rec.{j}", t) for j, t in enumerate(state.rec)],
+        )
 
     def run_pass(
         self,
@@ -482,7 +513,7 @@ class Executor:
         out = self.run_pass(
             qp.rows, self.dummy_features(), prefix, after_prefix, with_state=True, lend=True
         )
-        return out, self.state_from(out, qp.rows)
+        return out, self.lent(self.state_from(out, qp.rows), qp.rows)
 
     def run_options(
         self, op: OptionPass, prefix: State, question_state: State

@@ -161,6 +161,11 @@ def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     assert [qp.rows.shape[0] for qp in work.questions] == [MIN_FITTED_ROWS]
     options = len(prepared.layouts[0].opens)
     assert sum(op.rows.shape[0] for op in work.options) < 2 * max(options, MIN_FITTED_ROWS)
+    # a 2-row question pass lends its states into buffers of the question passes' row count,
+    # so that its option passes' sources (and CUDA graphs) do not follow the questions asked
+    executor.execute(prepared)
+    sources = {key[1][0] for key in backend.buffers if key[0].startswith("src_rec.")}
+    assert sources == {QUESTION_ROWS}  # on the CPU only the lent buffers are kept
     kept = executor.config
     try:  # --no-fit-rows: the buckets' fixed row counts again
         executor.config = kept.with_(fit_rows=False)
