@@ -254,3 +254,31 @@ def test_torch_artifacts_record_versions_and_where_a_start_spends(engines, tmp_p
     assert 0 < record["load_seconds"] <= record["seconds"]
     assert json.loads((tmp_path / "engines.json").read_text())["torch"] == record
     assert check_artifacts(tmp_path) is not None
+
+
+def test_fla_cumsum_autotuners_keyed_by_batch_size_get_one_configuration(monkeypatch):
+    """pin_fla_cumsum on a stand-in for fla's module (fla needs a GPU): the autotuners whose key
+    names the batch size, under triton.heuristics or not, keep their first configuration; the
+    others keep all."""
+    import sys
+    import types
+
+    from runtime.backends.compiled import pin_fla_cumsum
+
+    def tuner(keys):
+        return types.SimpleNamespace(configs=["one warp", "two", "four"], keys=keys)
+
+    by_batch, plain, other = tuner(["B", "H", "BT"]), tuner(["B", "H"]), tuner(["H", "BT"])
+    module = types.ModuleType("fla.ops.utils.cumsum")
+    module.scalar_kernel = types.SimpleNamespace(fn=by_batch)  # as under triton.heuristics
+    module.vector_kernel = plain
+    module.other_kernel = other
+    package = types.ModuleType("fla.ops.utils")
+    package.cumsum = module
+    for name, value in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("ops"))):
+        monkeypatch.setitem(sys.modules, name, value)
+    monkeypatch.setitem(sys.modules, "fla.ops.utils", package)
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cumsum", module)
+    pin_fla_cumsum()
+    assert by_batch.configs == ["one warp"] and plain.configs == ["one warp"]
+    assert other.configs == ["one warp", "two", "four"]
