@@ -388,26 +388,25 @@ class Executor:
 
     def lent(self, state: State, rows: Pass) -> State:
         """A question pass's states as the whole buffers it wrote them into (`outputs`), the
-        mask widened alike."""
+        mask widened alike; the states as they are where they were not written there."""
         lender = getattr(self.backend, "state_buffer", None)
         b = rows.shape[0]
         widest = self.source_rows(b)
         if lender is None or widest == b:
             return state
-
-        def whole(name: str, part: torch.Tensor) -> torch.Tensor:
-            return lender(f"src_{name}", (widest, *part.shape[1:]), part.dtype)
-
+        whole: dict[str, list[torch.Tensor]] = {}
+        for kind in ("k", "v", "conv", "rec"):
+            whole[kind] = []
+            for i, part in enumerate(getattr(state, kind)):
+                buffer = lender(f"src_{kind}.{i}", (widest, *part.shape[1:]), part.dtype)
+                if buffer.data_ptr() != part.data_ptr():  # a pass split in pieces, say
+                    return state
+                whole[kind].append(buffer)
         lengths = np.zeros(widest, dtype=np.int64)
         lengths[:b] = rows.lengths
         positions = torch.arange(rows.shape[1], device=self.device)
-        return State(
-            k=[whole(f"k.{i}", t) for i, t in enumerate(state.k)],
-            v=[whole(f"v.{i}", t) for i, t in enumerate(state.v)],
-            mask=positions[None, :] < self.tensor(lengths, torch.int64)[:, None],
-            conv=[whole(f"conv.{j}", t) for j, t in enumerate(state.conv)],
-            rec=[whole(f"rec.{j}", t) for j, t in enumerate(state.rec)],
-        )
+        mask = positions[None, :] < self.tensor(lengths, torch.int64)[:, None]
+        return State(mask=mask, **whole)
 
     def run_pass(
         self,
