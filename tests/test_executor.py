@@ -309,3 +309,14 @@ def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):
     stale = dataclasses.replace(prepared, planned=((rows + 1, fit), work))
     assert without_latency(executor.execute(stale)) == without_latency(expected)
     assert made == [rows]  # a plan for other question rows is made again
+
+
+def test_the_empty_state_is_made_once_and_stays_empty(executor):
+    """Every prefix pass continues one empty state; no pass writes into its sources."""
+    empty = executor.empty_state()
+    executor.prefix_cache.clear()
+    body = request_body(pattern_png(96, 64), speed_bench_questions(3), "image/png")
+    executor.answer(body)
+    assert executor.empty_state() is empty
+    tensors = [*empty.k, *empty.v, *empty.conv, *empty.rec, empty.mask]
+    assert all(not t.any() for t in tensors)

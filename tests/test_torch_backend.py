@@ -282,3 +282,10 @@ def test_fla_cumsum_autotuners_keyed_by_batch_size_get_one_configuration(monkeyp
     pin_fla_cumsum()
     assert by_batch.configs == ["one warp"] and plain.configs == ["one warp"]
     assert other.configs == ["one warp", "two", "four"]
+
+
+def test_torch_passes_leave_the_empty_state_empty(executor):
+    empty = executor.empty_state()
+    executor.answer(request_body(pattern_png(96, 64), speed_bench_questions(3), "image/png"))
+    assert executor.empty_state() is empty
+    assert all(not t.any() for t in [*empty.k, *empty.v, *empty.conv, *empty.rec, empty.mask])
