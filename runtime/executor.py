@@ -394,27 +394,21 @@ class Executor:
         the number of questions asked; the rows past the pass's are never read."""
         return max(rows, self.config.question_batch)
 
-    def lent(self, state: State, rows: Pass) -> State:
-        """A question pass's states as the whole buffers it wrote them into (`outputs`), the
-        mask widened alike; the states as they are where they were not written there."""
+    def lent(self, out: dict[str, torch.Tensor], rows: Pass) -> dict[str, torch.Tensor]:
+        """A question pass's outputs with each state as the whole buffer it was written into
+        (`outputs`); the outputs as they are where they were not written there."""
         lender = getattr(self.backend, "state_buffer", None)
-        b = rows.shape[0]
-        widest = self.source_rows(b)
-        if lender is None or widest == b:
-            return state
-        whole: dict[str, list[torch.Tensor]] = {}
-        for kind in ("k", "v", "conv", "rec"):
-            whole[kind] = []
-            for i, part in enumerate(getattr(state, kind)):
-                buffer = lender(f"src_{kind}.{i}", (widest, *part.shape[1:]), part.dtype)
+        widest = self.source_rows(rows.shape[0])
+        if lender is None or widest == rows.shape[0]:
+            return out
+        whole = dict(out)
+        for name, part in out.items():
+            if name.startswith("out_"):
+                buffer = lender(f"src_{name[4:]}", (widest, *part.shape[1:]), part.dtype)
                 if buffer.data_ptr() != part.data_ptr():  # a pass split in pieces, say
-                    return state
-                whole[kind].append(buffer)
-        lengths = np.zeros(widest, dtype=np.int64)
-        lengths[:b] = rows.lengths
-        positions = torch.arange(rows.shape[1], device=self.device)
-        mask = positions[None, :] < self.tensor(lengths, torch.int64)[:, None]
-        return State(mask=mask, **whole)
+                    return out
+                whole[name] = buffer
+        return whole
 
     def run_pass(
         self,
@@ -490,10 +484,15 @@ class Executor:
         return result
 
     def state_from(self, out: dict[str, torch.Tensor], rows: Pass) -> State:
+        """The pass's states as sources; the mask has a row for each row of the state tensors
+        (more than the pass's where they are whole lent buffers: `lent`), the extra ones empty."""
         d = self.dims
+        states = [t for name, t in out.items() if name.startswith("out_")]
+        lengths = np.zeros(states[0].shape[0] if states else rows.shape[0], dtype=np.int64)
+        lengths[: rows.shape[0]] = rows.lengths
         # through pinned memory: a pageable upload here made the host wait for the pass it
         # follows (6-8 ms a pass on the H200), so the next pass was enqueued only then
-        lengths = self.tensor(rows.lengths, torch.int64)
+        lengths = self.tensor(lengths, torch.int64)
         positions = torch.arange(rows.shape[1], device=self.device)
         return State(
             k=[out[f"out_k.{i}"] for i in range(d.attention_layers)],
@@ -520,7 +519,7 @@ class Executor:
         out = self.run_pass(
             qp.rows, self.dummy_features(), prefix, after_prefix, with_state=True, lend=True
         )
-        return out, self.lent(self.state_from(out, qp.rows), qp.rows)
+        return out, self.state_from(self.lent(out, qp.rows), qp.rows)
 
     def run_options(
         self, op: OptionPass, prefix: State, question_state: State

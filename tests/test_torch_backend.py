@@ -149,11 +149,12 @@ def test_a_row_floor_pads_the_product_and_gives_the_rows_their_bytes():
 def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     """The CPU engine's products pass the row check, so its passes are sized to the request;
     the invariance test above then runs fitted passes of every row count."""
+    from runtime.backends.compiled import product_weights
     from runtime.passes import MIN_FITTED_ROWS, QUESTION_ROWS
 
     backend = executor.backend
     assert backend.rows_fit and executor.pass_shape() == (QUESTION_ROWS, True)
-    assert set(backend.row_floors) == {tuple(w.shape) for w in product_weights(backend)}
+    assert set(backend.row_floors) == {tuple(w.shape) for w in product_weights(backend.language)}
     prepared = executor.prepare(
         json.loads(request_body(pattern_png(64, 64), speed_bench_questions(1), "image/png"))
     )
@@ -174,12 +175,6 @@ def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
         assert [qp.rows.shape[0] for qp in fixed.questions] == [QUESTION_ROWS]
     finally:
         executor.config = kept
-
-
-def product_weights(backend) -> list:
-    from runtime.backends.compiled import product_weights as weights
-
-    return weights(backend.language)
 
 
 def test_readout_pieces_match_the_plugin_arithmetic():
