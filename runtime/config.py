@@ -30,6 +30,8 @@ class RuntimeConfig:
     cuda_graphs: bool | None = None  # replay passes as CUDA graphs
     fit_rows: bool | None = None  # passes sized to the request; None: where the engine's
     # arithmetic keeps a row's bytes whatever the row count (the torch backend checks at load)
+    device_heads: bool | None = None  # the heads' D-wide MLPs on the engine's device; None:
+    # on CUDA, where they keep a row's bytes and agree with the host (Heads.use_device)
     share_weights: bool = True  # ONNX Runtime sessions share one copy of the weights
     ort_threads: int = 0  # ONNX Runtime intra-op threads; 0: its default (one on CUDA)
     plugin_library: str | None = None  # the TensorRT readout plugin; None: plugins/build/
@@ -109,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("static-shapes", "ONNX Runtime session per shape (default: on CUDA)"),
         ("cuda-graphs", "replay passes as CUDA graphs (default: on CUDA)"),
         ("fit-rows", "passes sized to the request (default: where the engine keeps bytes)"),
+        ("device-heads", "the heads' large products on the GPU (default: on CUDA)"),
         ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
     ):
         group.add_argument(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -34,6 +35,8 @@ WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (contract.md §1.2)
 # device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
 VISION_TABLES = 8
 GPU_STAGES = ("vision", "prefix", "questions", "options", "readouts")  # Executor.stages' laps
+
+log = logging.getLogger("omnijev.executor")
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,11 @@ class Executor:
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()
         self._pixel_table = torch.from_numpy(NORMALIZED).to(self.device)
+        if self.config.on(self.config.device_heads, self.device.type == "cuda"):
+            if not self.heads.use_device(self.device):
+                log.warning(
+                    "heads: the device's products fail the check, the heads stay on the CPU"
+                )
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
         self.image_token = int(self.model_config.get("image_token_id", IMAGE_PAD_ID))
         # a hit reuses the very tensors the same inputs gave: bit-identical answers either way

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,14 @@ MIN_PRODUCT_ROWS = 4
 STACK_CHECK_ROWS = 320
 STACK_CHECK_SIZES = (4, 5, 7, 8, 13, 16, 33, 64, 255)
 STACK_CHECK_OFFSETS = (0, 5, 37)
+# On a CUDA device the four MLPs above run as products of exactly this many rows (zero rows fill
+# the last), the worker's FIXED_GEMM_M (contract.md §5): one kernel for any number of questions,
+# so a row's bytes follow only its own inputs; `DeviceMLPs.usable` checks that at load. On the
+# 2-core CI machine the MLPs were 5.4 of the heads' 7.0 ms for 12 questions, 13 of 14.5 ms for
+# 255 options (synthetic 4b-sized heads, tools.hostprofile); on the H200 12 questions' heads took
+# 3.9 ms with them on the GPU against 6.9 (the same answer bytes; h200-2026-12-02).
+DEVICE_ROWS = 64
+DEVICE_TOLERANCE = 1e-5  # heads' tolerance against the reference (contract.md §9.3): the check
 
 
 def option_width(hidden: int) -> int:
@@ -151,6 +160,12 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return (shifted - np.log(np.exp(shifted).sum(dtype=np.float32))).astype(np.float32)
 
 
+def inference():
+    """torch's inference mode, unless already on: entering it again costs ~10 µs, and a
+    request's heads make a few small products per question (questions_mu enters it once)."""
+    return nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+
+
 def _quiet(method: Callable) -> Callable:
     """Overflow becomes inf/nan without warnings: outputs are checked for finiteness instead."""
 
@@ -202,6 +217,7 @@ class Heads:
                 raise ValueError(f"heads: {name} is not finite")
             self.w[name] = np.ascontiguousarray(array)
         self.t = {name: torch.from_numpy(array) for name, array in self.w.items()}
+        self.device_mlps: DeviceMLPs | None = None  # use_device
         self.stackable = frozenset(
             layer
             for mlp in FIRST_LINEAR_ORDER
@@ -226,6 +242,13 @@ class Heads:
                         return False
         return True
 
+    def use_device(self, device: torch.device | str) -> bool:
+        """Run the four D-wide MLPs on `device` from now on, if it gives a row the same bytes
+        in any product and agrees with the host (DeviceMLPs.usable); whether it does."""
+        mlps = DeviceMLPs(self, torch.device(device))
+        self.device_mlps = mlps if mlps.usable() else None
+        return self.device_mlps is not None
+
     @classmethod
     def from_safetensors(cls, path: str | Path, hidden: int | None = None) -> Heads:
         """Load `heads.safetensors` (all F32), checking names, shapes and finiteness."""
@@ -240,7 +263,7 @@ class Heads:
             x = np.concatenate([x, np.zeros((MIN_PRODUCT_ROWS - rows, x.shape[1]), x.dtype)])
         inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         weight, bias = self.t[f"{name}.weight"], self.t[f"{name}.bias"]
-        with torch.inference_mode():
+        with inference():
             return torch.nn.functional.linear(inputs, weight, bias).numpy()[:rows]
 
     def _mlp(self, name: str, x: np.ndarray, first: dict | None = None) -> np.ndarray:
@@ -418,13 +441,20 @@ def questions_mu(
     question's rows at once (first Linears, then second ones), so that a weight (10 MiB at
     D = 2560) is read from memory once rather than once a question: one product over all the
     questions' rows for the layers in `heads.stackable` (the same bytes as alone, checked at
-    load), else the questions in turn. The same refusals in the same order."""
+    load), else the questions in turn; on the device where `heads.use_device` put them. The
+    same refusals in the same order."""
     wanted = [
         heads.first_inputs(kind, readout, ordinal) if kind in TYPE_IDS else {}
         for kind, readout in items
     ]
     made: list[dict] = [{} for _ in items]
     with torch.inference_mode(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        if heads.device_mlps is not None:
+            heads.device_mlps.run(wanted, made)
+            return [
+                question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
+                for (kind, readout), outputs in zip(items, made, strict=True)
+            ]
         for name in FIRST_LINEAR_ORDER:
             pairs = zip(wanted, made, strict=True)
             jobs = [(inputs[name], out, f"{name}.0") for inputs, out in pairs if name in inputs]
@@ -436,3 +466,91 @@ def questions_mu(
             question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
             for (kind, readout), outputs in zip(items, made, strict=True)
         ]
+
+
+class DeviceMLPs:
+    """The heads' MLPs of FIRST_LINEAR_ORDER (Linear → exact GELU → Linear, float32) on a
+    device, in products of DEVICE_ROWS rows; GELU in float64 as `gelu` on the host."""
+
+    def __init__(self, heads: Heads, device: torch.device):
+        self.heads = heads
+        self.device = device
+        # a stream of their own, non-blocking and of high priority: the worker runs a request's
+        # heads while the next request's passes run on the default stream (server/admission.py)
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device, priority=-1) if cuda else None
+        self.t = {
+            name: heads.t[name].to(device)
+            for mlp in FIRST_LINEAR_ORDER
+            for layer in (f"{mlp}.0", f"{mlp}.2")
+            for name in (f"{layer}.weight", f"{layer}.bias")
+        }
+        if self.stream is not None:  # the weights were copied on the default stream
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def streamed(self):
+        """The context that puts work on the MLPs' own stream (none on the CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def dense(self, layer: str, x: torch.Tensor) -> torch.Tensor:
+        """Linear `layer` on rows [N, in] of the device, in products of DEVICE_ROWS rows."""
+        weight, bias = self.t[f"{layer}.weight"], self.t[f"{layer}.bias"]
+        rows = x.shape[0]
+        padded = -(-rows // DEVICE_ROWS) * DEVICE_ROWS
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        pieces = [
+            torch.nn.functional.linear(x[at : at + DEVICE_ROWS], weight, bias)
+            for at in range(0, padded, DEVICE_ROWS)
+        ]
+        return torch.cat(pieces)[:rows]
+
+    def mlp(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        inner = self.dense(f"{name}.0", x).double()
+        return self.dense(
+            f"{name}.2", (inner * 0.5 * torch.special.erfc(-inner * SQRT_HALF)).float()
+        )
+
+    def run(self, wanted: list[dict], made: list[dict]) -> None:
+        """Each MLP over every question's rows that want it (`Heads.first_inputs`), into
+        `made[i][name]`: one upload and one download per MLP."""
+        with self.streamed():
+            self._run(wanted, made)
+
+    def _run(self, wanted: list[dict], made: list[dict]) -> None:
+        outputs = []
+        for name in FIRST_LINEAR_ORDER:
+            owners = [(i, inputs[name]) for i, inputs in enumerate(wanted) if name in inputs]
+            if not owners:
+                continue
+            rows = np.concatenate([x for _, x in owners]).astype(np.float32, copy=False)
+            x = torch.from_numpy(rows).to(self.device, non_blocking=False)
+            outputs.append((name, owners, self.mlp(name, x)))
+        for name, owners, result in outputs:
+            values = result.cpu().numpy()
+            at = 0
+            for i, x in owners:
+                made[i][name] = values[at : at + x.shape[0]]
+                at += x.shape[0]
+
+    def usable(self) -> bool:
+        """Whether every MLP gives a row the same bytes whatever the other rows of its product
+        and wherever it sits (STACK_CHECK_*), and agrees with the host's MLP within
+        DEVICE_TOLERANCE (no TF32 or other reduced precision on the way)."""
+        if self.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+            return False
+        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode(), self.streamed():
+            for name in FIRST_LINEAR_ORDER:
+                x = torch.randn(STACK_CHECK_ROWS, self.heads.hidden, generator=generator)
+                full = self.mlp(name, x.to(self.device)).cpu()
+                for rows in STACK_CHECK_SIZES:
+                    for at in STACK_CHECK_OFFSETS:
+                        part = self.mlp(name, x[at : at + rows].to(self.device)).cpu()
+                        if not torch.equal(part, full[at : at + rows]):
+                            return False
+                host = torch.from_numpy(self.heads._mlp(name, x[:DEVICE_ROWS].numpy()))
+                if not torch.allclose(
+                    full[:DEVICE_ROWS], host, rtol=DEVICE_TOLERANCE, atol=DEVICE_TOLERANCE
+                ):
+                    return False
+        return True

@@ -3,8 +3,9 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
 
     python scripts/gpu_torch.py dev        # build; kernel crossover; latency; invariance; profile;
                                            # option/question row-count sweep; caches into $OUT
-    python scripts/gpu_torch.py final      # build; crossover; latency; invariance; memory;
-                                           # profile; the reference with fla-core; parity
+    python scripts/gpu_torch.py final      # build; crossover; device resize; latency;
+                                           # invariance; vision enqueue; heads on GPU and CPU;
+                                           # memory; profile; the reference with fla-core; parity
     python scripts/gpu_torch.py cold       # cold start with and without the engine caches
     python scripts/gpu_torch.py serve      # omnijev serve + 8-client load test; host profiles
     python scripts/gpu_torch.py waits --tiny   # where the host waits for the device
@@ -13,7 +14,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
-`--no-crossover` fla's crossover, `--no-kernels` the option-row tiles, `--no-parity` the float32
+`--no-crossover` fla's crossover, `--no-kernels` the option-row tiles, `--no-reference` the
+reference's latency, `--no-parity` the float32
 parity at the end of `final` (with the reference it ran past a 390-second guard); SWEEP_UNTIL_S
 bounds the sweep; a carried `.gpu-cache/` (the `caches.tar.xz.*` pieces a dev call returned)
 warms the compilers.
@@ -511,6 +513,139 @@ def invariance(executor) -> dict:
     return result
 
 
+def vision_enqueue(executor, workloads: dict, runs: int = RUNS) -> dict:
+    """Host milliseconds of each step of Executor.vision for the bench still, no device waits
+    inside (median of `runs`): what the device waits for before the request's first kernel."""
+    import torch
+
+    _, prepared = workloads["1 question"]
+    laps: dict[str, list[float]] = {}
+    for _ in range(runs + 2):
+        with torch.inference_mode():
+            vision_laps(executor, prepared, laps)
+    result = {step: round(statistics.median(v[2:]), 3) for step, v in laps.items()}
+    result.pop("(wait)")
+    log(f"vision enqueue {result}")
+    return result
+
+
+def vision_laps(executor, prepared, laps: dict) -> None:
+    """One run of vision_enqueue: each step of Executor.vision apart, then the whole."""
+    import torch
+
+    from runtime.images import device_pixel_values, resize_rgb_torch, smart_resize
+
+    image = prepared.image
+    dtype = executor.backend.input_dtypes("vision")["pixel_values"]
+    sync()
+    marks = [("start", time.perf_counter())]
+    executor.vision_tables(tuple(int(x) for x in image.grid_thw))
+    marks.append(("tables", time.perf_counter()))
+    uploaded = executor.tensor(image.rgb, torch.uint8)
+    marks.append(("upload uint8", time.perf_counter()))
+    resized = resize_rgb_torch(uploaded, *smart_resize(*image.rgb.shape[:2]))
+    marks.append(("resize", time.perf_counter()))
+    device_pixel_values(resized, executor._pixel_table).to(dtype).contiguous()
+    marks.append(("patches", time.perf_counter()))
+    sync()
+    marks.append(("(wait)", time.perf_counter()))
+    executor.vision(prepared)
+    marks.append(("Executor.vision whole", time.perf_counter()))
+    sync()
+    for (_, before), (step, after) in zip(marks, marks[1:], strict=False):
+        laps.setdefault(step, []).append(1e3 * (after - before))
+
+
+def device_resize() -> dict:
+    """The device's resize and patches (runtime.images.resize_rgb_torch, device_pixel_values)
+    against the host's, byte for byte, on the bench stills and the resize tests' sizes."""
+    import numpy as np
+    import torch
+
+    from runtime import images
+    from tools import bench
+
+    stills = {
+        "screen PNG": np.asarray(bench.screen_image(*bench.BENCH_SIZE, seed=1)),
+        "photo": np.asarray(bench.photo_image(1280, 720, 2)),
+    }
+    for width, height in ((1920, 1080), (2048, 1536), (65, 33), (3000, 17), (97, 4000)):
+        rng = np.random.default_rng(width * height)
+        stills[f"noise {width}x{height}"] = rng.integers(0, 256, (height, width, 3), np.uint8)
+    result = {}
+    for name, rgb in stills.items():
+        target = images.smart_resize(*rgb.shape[:2])
+        host = images.resize_rgb(rgb, *target)
+        device = images.resize_rgb_torch(torch.from_numpy(rgb).cuda(), *target)
+        patches = images.device_pixel_values(device).contiguous().cpu().numpy()
+        result[name] = {
+            "resize_same_bytes": device.cpu().numpy().tobytes() == host.tobytes(),
+            "patches_same_bytes": patches.tobytes() == images.normalize_and_pack(host)[0].tobytes(),
+        }
+    result["all_same"] = all(all(v.values()) for v in result.values())
+    log(f"device resize {result}")
+    return result
+
+
+def heads_profile(executor, workloads: dict, name: str = "12 questions", runs: int = 20) -> str:
+    """cProfile of the heads and finishing (Executor.respond) of one workload, heads' products
+    where the executor runs them: the 25 functions of most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    _, prepared = workloads[name]
+    readouts = executor.readouts(prepared)
+    executor.respond(prepared, readouts, 0.0)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(runs):
+        executor.respond(prepared, readouts, 0.0)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    log(f"heads profile, {name}, {runs} runs:\n{text.getvalue()}")
+    return text.getvalue()
+
+
+def heads_sites(executor, workloads: dict, runs: int = 10) -> dict:
+    """The heads with their large products on the device (the default on CUDA) and on the
+    host: the same answers? and each one's heads time (Executor.stages, median ms)."""
+    from tools import bench
+
+    kept = executor.heads.device_mlps
+    result: dict = {"device_mlps": kept is not None}
+    for name, (body, _) in workloads.items():
+        row = {}
+        for site, mlps in (("device", kept), ("host", None)):
+            if site == "device" and kept is None:
+                continue
+            executor.heads.device_mlps = mlps
+            answers, seconds = None, []
+            for _ in range(runs):
+                response = executor.answer(body)
+                answers = answers or bench.without_latency(response)
+                seconds.append(executor.stages["heads"])
+            row[site] = {"heads_ms": round(1e3 * statistics.median(seconds), 3), "answers": answers}
+        executor.heads.device_mlps = kept
+        if "device" in row:
+            same = json.dumps(row["device"]["answers"]) == json.dumps(row["host"]["answers"])
+            row["same_answers"] = same
+            row["largest_difference"] = max(
+                (
+                    bench.largest_difference(row["device"]["answers"][q], row["host"]["answers"][q])
+                    for q in row["host"]["answers"]
+                ),
+                default=0.0,
+            )
+        for site in ("device", "host"):
+            if site in row:
+                row[site].pop("answers")
+        result[name] = row
+        log(f"heads {name}: {row}")
+    return result
+
+
 def host_waits(executor, workloads: dict, names=("1 question", "12 questions")) -> dict:
     """Where the host waits for the device in one GPU-stage run (torch's sync debug mode warns
     at each wait, from the line that caused it): only the final reads of the readouts should."""
@@ -755,6 +890,7 @@ def session(final: bool) -> None:
         attempt(report, "crossover", crossover)
     if not TINY and "--no-kernels" not in sys.argv:
         attempt(report, "option_rows", option_rows_kernel)
+    attempt(report, "device_resize", device_resize)
     run = Run("bf16")
     started = time.perf_counter()
     executor = attempt(report, "load", executor_for, run)
@@ -775,6 +911,9 @@ def session(final: bool) -> None:
     if executor.pass_shape()[1] and "--no-fixed" not in sys.argv:
         attempt(report, "fixed_rows", fixed_rows, executor, workloads)
     attempt(report, "host_waits", host_waits, executor, workloads)
+    attempt(report, "vision_enqueue", vision_enqueue, executor, workloads)
+    attempt(report, "heads_sites", heads_sites, executor, workloads)
+    attempt(report, "heads_profile", heads_profile, executor, workloads)
     if final:
         attempt(report, "requests", whole_requests, executor, workloads)
     attempt(report, "peak_memory", peak_memory, executor, workloads)
@@ -787,7 +926,8 @@ def session(final: bool) -> None:
     if final:
         del executor
         torch.cuda.empty_cache()
-        attempt(report, "reference_fla", reference_latency, workloads)
+        if "--no-reference" not in sys.argv:
+            attempt(report, "reference_fla", reference_latency, workloads)
         if "--no-parity" not in sys.argv:  # parity alone: `parity` (a call of its own fits)
             attempt(report, "parity_float32", parity_float32)
         if "--host" in sys.argv:  # the host profiles of `serve`, in this lease
@@ -905,7 +1045,7 @@ def host_profiles() -> dict:
         done = subprocess.run(
             [sys.executable, "-m", "tools.hostprofile", "--runs", "15", "--device", "cuda",
              "--threads", str(threads), "--checkpoint", str(WORK / f"{PRESET}-export"),
-             "--out", str(out)],
+             "--device-heads", "--out", str(out)],
             capture_output=True, text=True, timeout=240,
         )  # fmt: skip
         result[threads] = done.stdout[-4000:] + done.stderr[-1000:]

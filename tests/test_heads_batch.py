@@ -106,3 +106,58 @@ def test_layers_that_are_not_row_invariant_are_not_stacked(monkeypatch):
     together = questions_mu(heads, items)
     for (kind, r), mu in zip(items, together, strict=True):
         assert mu.tobytes() == question_mu(heads, kind, r).tobytes()
+
+
+# -- the MLPs on a device (Heads.use_device; on the CPU here, the same code as on CUDA) --------
+
+
+@pytest.mark.parametrize("hidden", [64, 2560])
+def test_device_mlps_give_each_question_the_hosts_bytes(hidden):
+    """DEVICE_ROWS-row products over every question's rows give what the host gives a question
+    alone: 12 mixed questions, and 255 options of one Choice (four products)."""
+    heads, rng = random_heads(hidden), np.random.default_rng(hidden + 1)
+    items = mixed(rng, hidden, 12) + [("choice", readout(rng, hidden, 255))]
+    alone = [question_mu(heads, kind, r) for kind, r in items]
+    assert heads.use_device("cpu") and heads.device_mlps is not None
+    together = questions_mu(heads, items)
+    for mu, own in zip(together, alone, strict=True):
+        assert mu.tobytes() == own.tobytes()
+
+
+def test_device_mlps_keep_the_refusals_in_question_order():
+    heads, rng = random_heads(64), np.random.default_rng(3)
+    items = mixed(rng, 64, 4)
+    assert heads.use_device("cpu")
+    bad = QuestionReadout(items[1][1].zq, np.full_like(items[1][1].u, np.inf), [], [])
+    with pytest.raises(ExecutionError, match="invalid head input"):
+        questions_mu(heads, [items[0], ("choice", bad), items[3]])
+
+
+def test_device_mlps_that_disagree_with_the_host_are_refused(monkeypatch):
+    """A device whose products are not the host's (here: a weight off by 1e-3, as reduced
+    precision would be) fails the check at load and the heads stay on the host."""
+    from runtime.heads import DeviceMLPs
+
+    heads = random_heads(64)
+    made = DeviceMLPs.__init__
+
+    def skewed(self, heads, device):
+        made(self, heads, device)
+        self.t["head.opt.0.weight"] = self.t["head.opt.0.weight"] + 1e-3
+
+    monkeypatch.setattr(DeviceMLPs, "__init__", skewed)
+    assert not heads.use_device("cpu") and heads.device_mlps is None
+
+
+def test_device_mlps_whose_rows_follow_their_neighbours_are_refused(monkeypatch):
+    """A product whose rows depend on the other rows (here: made so) fails the check."""
+    import torch
+
+    plain = torch.nn.functional.linear
+
+    def by_first_row(x, weight, bias=None):
+        return plain(x, weight, bias) + x[:1, :1] * 1e-3
+
+    heads = random_heads(64)
+    monkeypatch.setattr(torch.nn.functional, "linear", by_first_row)
+    assert not heads.use_device("cpu")

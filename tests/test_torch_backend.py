@@ -284,3 +284,21 @@ def test_torch_passes_leave_the_empty_state_empty(executor):
     executor.answer(request_body(pattern_png(96, 64), speed_bench_questions(3), "image/png"))
     assert executor.empty_state() is empty
     assert all(not t.any() for t in [*empty.k, *empty.v, *empty.conv, *empty.rec, empty.mask])
+
+
+def test_heads_on_the_engines_device_give_the_same_answers(engines, executor):
+    """--device-heads (on by default on CUDA): the heads' large products where the engine runs
+    (here the CPU, the same code as on CUDA), the same answers byte for byte as the host's."""
+    from runtime.config import RuntimeConfig
+    from runtime.executor import load_engine
+
+    assert executor.heads.device_mlps is None  # off by default on the CPU
+    config = RuntimeConfig.from_env(backend="torch", device_heads=True, prefix_cache=0)
+    on_device = load_engine(str(engines[0]), str(engines[1]), config)
+    assert on_device.heads.device_mlps is not None
+    body = request_body(
+        pattern_png(320, 224), {**speed_bench_questions(6), **gate_questions()}, "image/png"
+    )
+    assert json.dumps(without_latency(on_device.answer(body))) == json.dumps(
+        without_latency(executor.answer(body))
+    )

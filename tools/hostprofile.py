@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU seconds instead of wall seconds (one PyTorch thread, no tokenizer threads)",
     )
+    parser.add_argument(
+        "--device-heads",
+        action="store_true",
+        help="the heads' large products on the upload device (the worker's default on CUDA)",
+    )
     args = parser.parse_args(argv)
     if args.cpu_time:
         import os
@@ -48,13 +53,19 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(Path(args.checkpoint))
         heads = Heads.from_safetensors(Path(args.checkpoint) / "heads.safetensors")
         calibration = load_export(Path(args.checkpoint), verify=False).calibration
+    if args.device_heads:
+        heads = heads or hoststages.synthetic_heads()
+        if not heads.use_device(hoststages.device_for(args.device)):
+            print("the device's products fail the heads' check: heads on the CPU", file=sys.stderr)
     requests = bench.host_requests()
     results = hoststages.profile(requests, tokenizer, heads, calibration, args.runs, args.device)
     machine = hoststages.machine()
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     clock = "CPU time" if args.cpu_time else "wall time"
-    print(f"host stages, {clock} ({machine}, upload to {hoststages.device_for(args.device)})")
+    site = "device" if heads is not None and heads.device_mlps is not None else "CPU"
+    upload = hoststages.device_for(args.device)
+    print(f"host stages, {clock} ({machine}, upload to {upload}, heads' products on the {site})")
     print(hoststages.table(results))
     return 0
 
