@@ -569,40 +569,48 @@ def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
 
 
 @functools.lru_cache(maxsize=64)
-def device_resize_matrix(in_size: int, out_size: int, device) -> tuple:
-    """`resize_taps` as a dense float64 [in, out] matrix on a device (column j: output j's
-    integer weights at its source pixels), and the precision; made once per size pair."""
+def device_taps(in_size: int, out_size: int, device) -> tuple:
+    """`resize_taps` on a device (weights as float64), made once per size pair: an upload from
+    pageable memory would make the host wait for the device."""
     import torch
 
     index, weights, precision = resize_taps(in_size, out_size)
-    matrix = np.zeros((in_size, out_size), np.float64)
-    # padded taps repeat the first source pixel with weight 0: adding them changes nothing
-    np.add.at(matrix, (index, np.arange(out_size)[:, None]), weights)
-    return torch.from_numpy(matrix).to(device), precision
+    weights = torch.from_numpy(weights.astype(np.float64))
+    return torch.from_numpy(index).to(device), weights.to(device), precision
 
 
-def resize_axis(x, matrix, precision: int):
+def resize_matrix(index, weights, in_size: int):
+    """The taps as a dense float64 [in, out] matrix (column j: output j's integer weights at its
+    source pixels), made per request on the taps' device: one is up to tens of MB. Padded taps
+    repeat the first source pixel with weight 0, so adding them changes nothing."""
+    import torch
+
+    matrix = torch.zeros(in_size, index.shape[0], dtype=torch.float64, device=index.device)
+    return matrix.scatter_add_(0, index.t(), weights.t())
+
+
+def resize_axis(x, index, weights, precision: int):
     """One integer pass of `resize_rgb` along the last dimension of a float64 torch image of
     integers: Σ pixel × weight as one float64 product, plus half an LSB, divided by 2^precision
     and floored (the kernel's shift), clamped to 0-255. Exact whatever the product's order of
     sums: a term is an integer below 2^23 (255 × a weight under 2^15), and every partial sum of
     an output's taps is an integer far below 2^53, which a float64 holds exactly."""
-    total = x @ matrix
+    total = x @ resize_matrix(index, weights, x.shape[-1])
     return total.add_(1 << (precision - 1)).mul_(2.0**-precision).floor_().clamp_(0, 255)
 
 
 def resize_rgb_torch(rgb, height: int, width: int):
     """`resize_rgb` on a uint8 [H, W, 3] torch tensor on any device, byte for byte (integer
     arithmetic in float64 products: width first, the intermediate rounded to uint8, then
-    height, as PyTorch's CPU kernel). A dozen kernels, not one per tap."""
+    height, as PyTorch's CPU kernel). About 16 kernels, not three per tap and axis."""
     import torch
 
     x = rgb.to(torch.float64).permute(2, 0, 1)  # [3, H, W]: each pass runs on the last axis
     if width != rgb.shape[1]:
-        x = resize_axis(x, *device_resize_matrix(rgb.shape[1], width, rgb.device))
+        x = resize_axis(x, *device_taps(rgb.shape[1], width, rgb.device))
     if height != rgb.shape[0]:
         x = x.transpose(1, 2)
-        x = resize_axis(x, *device_resize_matrix(rgb.shape[0], height, rgb.device))
+        x = resize_axis(x, *device_taps(rgb.shape[0], height, rgb.device))
         x = x.transpose(1, 2)
     return x.permute(1, 2, 0).to(torch.uint8)
 

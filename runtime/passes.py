@@ -267,21 +267,39 @@ def plan_options(
                 chunk = rows[chunk_start : chunk_start + size]
                 p = empty_pass(fitted_rows(len(chunk), size, fit), length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
-                for row, (qi, k, source) in enumerate(chunk):
-                    layout = prepared.layouts[qi]
-                    ids, positions = option_span(layout, k)
-                    fill_row(p, row, ids, positions, src=source)
-                    op.members.append((qi, k))
-                    op.u_read[(qi, k)] = len(p.read_rows)
-                    p.read_rows.append(row * length + len(ids) - 1)
-                    reads = []
-                    if layout.question.type != "score":
-                        for j in range(1, len(ids) - 1):  # text tokens, each from the one before
-                            reads.append(len(p.targets))
-                            p.targets.append((row * length + j - 1, ids[j]))
-                    op.text_reads[(qi, k)] = reads
+                fill_options(op, prepared.layouts, chunk, length)
                 passes.append(op)
     return passes
+
+
+def fill_options(
+    op: OptionPass, layouts: tuple[QuestionLayout, ...], chunk: list, length: int
+) -> None:
+    """`fill_row` of each option of `chunk` ((question, option, source row) per row) with its
+    `option_span`, then its reads: the u row and, but for Score, each text token from the one
+    before. An option's tokens are text, so its three M-RoPE positions are equal and count on
+    from the question's first option through the padding: one array operation for the pass."""
+    p = op.rows
+    bases = np.zeros(len(chunk), dtype=np.int64)
+    for row, (qi, k, source) in enumerate(chunk):
+        layout = layouts[qi]
+        start, end = layout.opens[k], layout.closes[k] + 1
+        ids = layout.token_ids[start:end]
+        n = end - start
+        p.input_ids[row, :n] = ids
+        p.lengths[row] = n
+        p.src[row] = source
+        bases[row] = layout.positions[0, layout.opens[0]]
+        op.members.append((qi, k))
+        op.u_read[(qi, k)] = len(p.read_rows)
+        p.read_rows.append(row * length + n - 1)
+        if layout.question.type == "score":
+            op.text_reads[(qi, k)] = []
+            continue
+        first = len(p.targets)
+        p.targets.extend((row * length + j - 1, ids[j]) for j in range(1, n - 1))
+        op.text_reads[(qi, k)] = list(range(first, len(p.targets)))
+    p.positions[:, : len(chunk)] = bases[:, None] + np.arange(length)
 
 
 def plan(prepared: Prepared, question_rows: int = QUESTION_ROWS, fit: bool = False) -> Plan:

@@ -160,3 +160,37 @@ def test_fitted_passes_hold_only_the_rows_they_need(tokenizer):
         for a, b in zip(fitted.options, fixed.options, strict=True):
             assert a.rows.shape[0] <= b.rows.shape[0] and a.members == b.members
             assert a.rows.shape[0] >= len(a.members) and a.u_read == b.u_read
+
+
+@pytest.mark.parametrize("fit", [False, True])
+def test_option_passes_are_their_rows_filled_one_by_one(tokenizer, fit):
+    """`fill_options` (a pass's option rows at once) gives every array and read that
+    `fill_row` of each option's `option_span` and the per-token reads give (Score included)."""
+    import numpy as np
+
+    from runtime.passes import empty_pass, fill_row, option_span
+
+    questions = {**QUESTIONS, "wide": choice_with(70)["wide"]}
+    request = compile_request(parse_body(request_body(IMAGE, questions)))
+    prepared = prepare(request, tokenizer)
+    work = plan(prepared, QUESTION_ROWS, fit)
+    assert any(prepared.layouts[qi].question.type == "score" for op in work.options
+               for qi, _ in op.members)  # fmt: skip
+    for op in work.options:
+        batch, length = op.rows.shape
+        expected = empty_pass(batch, length)
+        targets, reads = [], {}
+        for row, (qi, k) in enumerate(op.members):
+            layout = prepared.layouts[qi]
+            ids, positions = option_span(layout, k)
+            fill_row(expected, row, ids, positions, src=int(op.rows.src[row]))
+            assert op.rows.read_rows[op.u_read[(qi, k)]] == row * length + len(ids) - 1
+            reads[(qi, k)] = []
+            if layout.question.type != "score":
+                for j in range(1, len(ids) - 1):
+                    reads[(qi, k)].append(len(targets))
+                    targets.append((row * length + j - 1, ids[j]))
+        assert op.rows.targets == targets and op.text_reads == reads
+        for name in ("input_ids", "positions", "lengths", "src"):
+            got, want = getattr(op.rows, name), getattr(expected, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
