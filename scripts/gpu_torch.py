@@ -576,7 +576,7 @@ def device_resize() -> dict:
     for name, rgb in stills.items():
         target = images.smart_resize(*rgb.shape[:2])
         host = images.resize_rgb(rgb, *target)
-        device = images.resize_rgb_torch(torch.from_numpy(rgb).cuda(), *target)
+        device = images.resize_rgb_torch(torch.from_numpy(rgb).to(DEVICE), *target)
         patches = images.device_pixel_values(device).contiguous().cpu().numpy()
         result[name] = {
             "resize_same_bytes": device.cpu().numpy().tobytes() == host.tobytes(),
