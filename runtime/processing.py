@@ -12,13 +12,14 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from runtime.constants import CLOSE_ID, IMAGE_PAD_ID, OPEN_ID, VISION_END_ID
 from runtime.errors import ContractError
+from runtime.lru import LRU
 from runtime.types import Prepared, PreparedImage, Question, QuestionLayout, Request, Row
 
 IMAGE_PAD = "<|image_pad|>"
@@ -40,6 +41,10 @@ SPLIT_AT = (VISION_END, "<|im_end|>", OPEN, CLOSE)  # the specials a request's t
 RESERVED = (OPEN, CLOSE, IMAGE_PAD, "<|video_pad|>", "<|vision_start|>", VISION_END)
 PROBE = "Is\u00a0it ok?  <|im_end|>x\n\n"  # a check text: spaces, a special token, newlines
 TEMPLATES = 4  # tokenizers whose templates are kept (one a checkpoint, tests load a few)
+# texts (instructions, option texts) whose ids a template keeps: a deployment asks the same
+# questions of many images, and encoding 255 option texts took 2.0 ms on the 2-core CI machine
+# (5.5 on the H200's host), 12 questions 0.6 ms (tools.hostprofile)
+TEXT_IDS = 4096
 # Images decoded beside the tokenizer while a request is prepared: one a preparation thread
 # (the server prepares two requests at once), the rest waits. Pillow, PyTorch's resize and
 # NumPy release the GIL for their work, so the decode runs while this thread tokenizes.
@@ -91,6 +96,11 @@ class Template:
 
     head: tuple[int, ...]  # before the image run
     tail: tuple[int, ...]  # PROMPT_TAIL: after the instructions, before the first option
+    # ids of texts encoded before (text_ids), shared by the preparing threads
+    texts: LRU[str, tuple[int, ...]] = field(
+        default_factory=lambda: LRU(TEXT_IDS), compare=False, repr=False
+    )
+    lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
 
 _templates: dict[int, tuple[Tokenizer, Template | None]] = {}
@@ -149,19 +159,39 @@ def split_ids(
     for question in questions:
         texts.append(question.instructions.rstrip())
         texts.extend(question.option_texts)
-    encodings = encode_each(tokenizer, texts)
+    ids_of = text_ids(tokenizer, made, texts)
     start = [*made.head, *([IMAGE_PAD_ID] * image_tokens), VISION_END_ID]
     out, at = [], 0
     for question in questions:
-        ids = start + encodings[at].ids
+        ids = start + list(ids_of[texts[at]])
         ids += made.tail
-        for encoding in encodings[at + 1 : at + 1 + len(question.option_texts)]:
+        for text in texts[at + 1 : at + 1 + len(question.option_texts)]:
             ids.append(OPEN_ID)
-            ids += encoding.ids
+            ids += ids_of[text]
             ids.append(CLOSE_ID)
         at += 1 + len(question.option_texts)
         out.append(ids)
     return out
+
+
+def text_ids(tokenizer: Tokenizer, made: Template, texts: Sequence[str]) -> dict:
+    """Each distinct text's ids: kept by the template from an earlier request, else encoded now
+    (one batch) and kept. The same ids either way, since a piece encodes alone
+    (`make_template`)."""
+    known: dict[str, tuple[int, ...]] = {}
+    with made.lock:
+        for text in texts:
+            ids = made.texts.get(text) if text not in known else None
+            if ids is not None:
+                known[text] = ids
+    missing = [text for text in dict.fromkeys(texts) if text not in known]
+    if missing:
+        for text, encoding in zip(missing, encode_each(tokenizer, missing), strict=True):
+            known[text] = tuple(encoding.ids)
+        with made.lock:
+            for text in missing:
+                made.texts.put(text, known[text])
+    return known
 
 
 def encode_questions(

@@ -325,6 +325,34 @@ def test_split_ids_equal_the_whole_prompts(tok):
             assert split_ids(questions, tok, made, 5) == whole
 
 
+def test_texts_seen_before_are_not_encoded_again(tok, monkeypatch):
+    """The template keeps each text's ids (TEXT_IDS of them): a request asked again encodes
+    nothing, one with a new option text encodes only that text, and the ids are the whole
+    prompts' either way."""
+    from runtime import processing
+    from runtime.processing import encode_prompts, encode_questions, make_template
+
+    made = make_template(tok)
+    monkeypatch.setattr(processing, "template", lambda tokenizer: made)
+    encoded: list[list[str]] = []
+    plain = processing.encode_each
+
+    def counted(tokenizer, texts):
+        encoded.append(list(texts))
+        return plain(tokenizer, texts)
+
+    monkeypatch.setattr(processing, "encode_each", counted)
+    first = [Question("q", "choice", "Which one?", ("a", "b"), ("a red car", "a street"))]
+    again = [Question("r", "choice", "Which one?", ("a", "b"), ("a street", "a robot"))]
+    for questions, new in ((first, ["Which one?", "a red car", "a street"]), (first, []),
+                           (again, ["a robot"])):  # fmt: skip
+        encoded.clear()
+        ids = encode_questions(questions, tok, 5)
+        assert [text for batch in encoded for text in batch] == new
+        encoded.clear()
+        assert ids == encode_prompts([render_prompt(q) for q in questions], tok, 5)
+
+
 def test_template_is_refused_where_a_token_could_cross_a_split(tok):
     from tokenizers import AddedToken, Tokenizer
 
