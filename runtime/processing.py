@@ -45,6 +45,9 @@ TEMPLATES = 4  # tokenizers whose templates are kept (one a checkpoint, tests lo
 # questions of many images, and encoding 255 option texts took 2.0 ms on the 2-core CI machine
 # (5.5 on the H200's host), 12 questions 0.6 ms (tools.hostprofile)
 TEXT_IDS = 4096
+# longer texts are encoded every time, so that what clients send cannot make the kept ids large
+# (4,096 texts of 8,192 characters and their ids would be over a GB; of 512, some tens of MB)
+KEPT_TEXT_CHARS = 512
 # Images decoded beside the tokenizer while a request is prepared: one a preparation thread
 # (the server prepares two requests at once), the rest waits. Pillow, PyTorch's resize and
 # NumPy release the GIL for their work, so the decode runs while this thread tokenizes.
@@ -176,8 +179,8 @@ def split_ids(
 
 def text_ids(tokenizer: Tokenizer, made: Template, texts: Sequence[str]) -> dict:
     """Each distinct text's ids: kept by the template from an earlier request, else encoded now
-    (one batch) and kept. The same ids either way, since a piece encodes alone
-    (`make_template`)."""
+    (one batch) and kept if at most KEPT_TEXT_CHARS long. The same ids either way, since a piece
+    encodes alone (`make_template`)."""
     known: dict[str, tuple[int, ...]] = {}
     with made.lock:
         for text in texts:
@@ -190,7 +193,8 @@ def text_ids(tokenizer: Tokenizer, made: Template, texts: Sequence[str]) -> dict
             known[text] = tuple(encoding.ids)
         with made.lock:
             for text in missing:
-                made.texts.put(text, known[text])
+                if len(text) <= KEPT_TEXT_CHARS:
+                    made.texts.put(text, known[text])
     return known
 
 

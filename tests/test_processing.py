@@ -351,6 +351,11 @@ def test_texts_seen_before_are_not_encoded_again(tok, monkeypatch):
         assert [text for batch in encoded for text in batch] == new
         encoded.clear()
         assert ids == encode_prompts([render_prompt(q) for q in questions], tok, 5)
+    long = "x" * (processing.KEPT_TEXT_CHARS + 1)  # long texts are encoded every time
+    for _ in range(2):
+        encoded.clear()
+        encode_questions([Question("s", "noul", long, ("yes",), ("",))], tok, 5)
+        assert [text for batch in encoded for text in batch] == [long]
 
 
 def test_template_is_refused_where_a_token_could_cross_a_split(tok):
