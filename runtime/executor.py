@@ -295,15 +295,8 @@ class Executor:
         return wanted if wanted in names else names[0]
 
     def tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """A host array on the device; on CUDA through one copy into pinned memory (the array
-        may be a read-only view, as a decoded image is) and without waiting, so that the host
-        prepares the next pass while the device runs this one."""
-        if self.device.type != "cuda":
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
-        kind = torch.from_numpy(np.empty(0, array.dtype)).dtype
-        pinned = torch.empty(array.shape, dtype=kind, pin_memory=True)
-        pinned.numpy()[...] = array
-        return pinned.to(self.device, dtype, non_blocking=True)
+        """`to_device` on this executor's device."""
+        return to_device(array, self.device, dtype)
 
     def empty_state(self) -> State:
         """A state with no past (P = Q = 1, masked) and zero recurrent state: exactly empty.
@@ -596,6 +589,18 @@ class Stopwatch:
         now = time.perf_counter()
         self.stages[stage] = self.stages.get(stage, 0.0) + now - self.last
         self.last = now
+
+
+def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host array on the device; on CUDA through one copy into pinned memory (the array may be
+    a read-only view, as a decoded image is) and without waiting, so that the host prepares the
+    next pass while the device runs this one."""
+    if device.type != "cuda":
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype)
+    kind = torch.from_numpy(np.empty(0, array.dtype)).dtype
+    pinned = torch.empty(array.shape, dtype=kind, pin_memory=True)
+    pinned.numpy()[...] = array
+    return pinned.to(device, dtype, non_blocking=True)
 
 
 def host(t: torch.Tensor) -> np.ndarray:

@@ -127,11 +127,17 @@ def erfc64(a: np.ndarray) -> np.ndarray:
     return torch.special.erfc(torch.from_numpy(np.asarray(a, dtype=np.float64))).numpy()
 
 
-def gelu(x: np.ndarray) -> np.ndarray:
-    """Exact (erf) GELU x·Φ(x): float64 inside, one rounding to float32."""
-    x64 = np.asarray(x, dtype=np.float64)
+def exact_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Exact (erf) GELU x·Φ(x) of a tensor on any device: float64 inside, one rounding to
+    float32."""
+    x64 = x.double()
     # Φ(x) = ½·erfc(−x/√2) stays accurate for very negative x, where 1 + erf(x/√2) cancels
-    return (x64 * 0.5 * erfc64(-x64 * SQRT_HALF)).astype(np.float32)
+    return (x64 * 0.5 * torch.special.erfc(-x64 * SQRT_HALF)).float()
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """`exact_gelu` of a host array."""
+    return exact_gelu(torch.from_numpy(np.asarray(x))).numpy()
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -164,6 +170,17 @@ def inference():
     """torch's inference mode, unless already on: entering it again costs ~10 µs, and a
     request's heads make a few small products per question (questions_mu enters it once)."""
     return nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+
+
+def same_rows(apply: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool:
+    """Whether `apply` gives each row of `x` the bytes it gives it among all of `x`, for the
+    STACK_CHECK_SIZES rows at each of STACK_CHECK_OFFSETS."""
+    full = apply(x)
+    return all(
+        torch.equal(apply(x[at : at + rows]), full[at : at + rows])
+        for rows in STACK_CHECK_SIZES
+        for at in STACK_CHECK_OFFSETS
+    )
 
 
 def _quiet(method: Callable) -> Callable:
@@ -234,13 +251,7 @@ class Heads:
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(STACK_CHECK_ROWS, weight.shape[1], generator=generator)
         with torch.inference_mode():
-            full = torch.nn.functional.linear(x, weight, bias)
-            for rows in STACK_CHECK_SIZES:
-                for at in STACK_CHECK_OFFSETS:
-                    part = torch.nn.functional.linear(x[at : at + rows], weight, bias)
-                    if not torch.equal(part, full[at : at + rows]):
-                        return False
-        return True
+            return same_rows(lambda rows: torch.nn.functional.linear(rows, weight, bias), x)
 
     def use_device(self, device: torch.device | str) -> bool:
         """Run the four D-wide MLPs on `device` from now on, if it gives a row the same bytes
@@ -431,6 +442,18 @@ def dense_layer(heads: Heads, layer: str, jobs: list[tuple[np.ndarray, dict, str
         at += rows.shape[0]
 
 
+def host_mlps(heads: Heads, wanted: list[dict], made: list[dict]) -> None:
+    """The MLPs of FIRST_LINEAR_ORDER on the host, each Linear over every question's rows
+    that want it (`dense_layer`): first Linears, then second ones."""
+    for name in FIRST_LINEAR_ORDER:
+        pairs = zip(wanted, made, strict=True)
+        jobs = [(inputs[name], out, f"{name}.0") for inputs, out in pairs if name in inputs]
+        dense_layer(heads, f"{name}.0", jobs)
+    for name in FIRST_LINEAR_ORDER:
+        jobs = [(gelu(m[f"{name}.0"]), m, name) for m in made if f"{name}.0" in m]
+        dense_layer(heads, f"{name}.2", jobs)
+
+
 def questions_mu(
     heads: Heads,
     items: Sequence[tuple[str, QuestionReadout]],
@@ -451,17 +474,8 @@ def questions_mu(
     with torch.inference_mode(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         if heads.device_mlps is not None:
             heads.device_mlps.run(wanted, made)
-            return [
-                question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
-                for (kind, readout), outputs in zip(items, made, strict=True)
-            ]
-        for name in FIRST_LINEAR_ORDER:
-            pairs = zip(wanted, made, strict=True)
-            jobs = [(inputs[name], out, f"{name}.0") for inputs, out in pairs if name in inputs]
-            dense_layer(heads, f"{name}.0", jobs)
-        for name in FIRST_LINEAR_ORDER:
-            jobs = [(gelu(m[f"{name}.0"]), m, name) for m in made if f"{name}.0" in m]
-            dense_layer(heads, f"{name}.2", jobs)
+        else:
+            host_mlps(heads, wanted, made)
         return [
             question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
             for (kind, readout), outputs in zip(items, made, strict=True)
@@ -505,10 +519,7 @@ class DeviceMLPs:
         return torch.cat(pieces)[:rows]
 
     def mlp(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        inner = self.dense(f"{name}.0", x).double()
-        return self.dense(
-            f"{name}.2", (inner * 0.5 * torch.special.erfc(-inner * SQRT_HALF)).float()
-        )
+        return self.dense(f"{name}.2", exact_gelu(self.dense(f"{name}.0", x)))
 
     def run(self, wanted: list[dict], made: list[dict]) -> None:
         """Each MLP over every question's rows that want it (`Heads.first_inputs`), into
@@ -542,15 +553,16 @@ class DeviceMLPs:
         with torch.inference_mode(), self.streamed():
             for name in FIRST_LINEAR_ORDER:
                 x = torch.randn(STACK_CHECK_ROWS, self.heads.hidden, generator=generator)
-                full = self.mlp(name, x.to(self.device)).cpu()
-                for rows in STACK_CHECK_SIZES:
-                    for at in STACK_CHECK_OFFSETS:
-                        part = self.mlp(name, x[at : at + rows].to(self.device)).cpu()
-                        if not torch.equal(part, full[at : at + rows]):
-                            return False
+                on_device = functools.partial(self.mlp_on_host_rows, name)
+                if not same_rows(on_device, x):
+                    return False
                 host = torch.from_numpy(self.heads._mlp(name, x[:DEVICE_ROWS].numpy()))
                 if not torch.allclose(
-                    full[:DEVICE_ROWS], host, rtol=DEVICE_TOLERANCE, atol=DEVICE_TOLERANCE
+                    on_device(x[:DEVICE_ROWS]), host, rtol=DEVICE_TOLERANCE, atol=DEVICE_TOLERANCE
                 ):
                     return False
         return True
+
+    def mlp_on_host_rows(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """`mlp` of host rows, back on the host."""
+        return self.mlp(name, x.to(self.device)).cpu()

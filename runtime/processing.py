@@ -181,13 +181,11 @@ def text_ids(tokenizer: Tokenizer, made: Template, texts: Sequence[str]) -> dict
     """Each distinct text's ids: kept by the template from an earlier request, else encoded now
     (one batch) and kept if at most KEPT_TEXT_CHARS long. The same ids either way, since a piece
     encodes alone (`make_template`)."""
-    known: dict[str, tuple[int, ...]] = {}
+    distinct = list(dict.fromkeys(texts))
     with made.lock:
-        for text in texts:
-            ids = made.texts.get(text) if text not in known else None
-            if ids is not None:
-                known[text] = ids
-    missing = [text for text in dict.fromkeys(texts) if text not in known]
+        kept = {text: made.texts.get(text) for text in distinct}
+    known = {text: ids for text, ids in kept.items() if ids is not None}
+    missing = [text for text in distinct if text not in known]
     if missing:
         for text, encoding in zip(missing, encode_each(tokenizer, missing), strict=True):
             known[text] = tuple(encoding.ids)

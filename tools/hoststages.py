@@ -127,16 +127,14 @@ def upload(prepared, work, device) -> None:
 def upload_resized(prepared, device) -> None:
     """The executor's device path: the resized (or, prepared with resize=False, the decoded)
     uint8 image through pinned memory, resized there if need be, patches made there."""
+    from functools import partial
+
     import torch
 
+    from runtime.executor import to_device
     from runtime.images import device_image_patches
 
-    def upload(pixels: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(pixels.copy())
-        if device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(device, non_blocking=True)
-
+    upload = partial(to_device, device=device, dtype=torch.uint8)
     device_image_patches(prepared.image, upload).to(torch.bfloat16)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -473,9 +473,9 @@ def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
         tokens, weight.shape[1], generator=generator, device=weight.device, dtype=weight.dtype
     )
     full = product(x, weight)
+    rows = range(ROW_STEP, tokens, ROW_STEP)
     for floor in FLOOR_CANDIDATES:
         floors = {tuple(weight.shape): floor}
-        rows = range(ROW_STEP, tokens, ROW_STEP)
         if all(torch.equal(product(x[:m], weight, floors), full[:m]) for m in rows):
             return floor
     return None

@@ -129,18 +129,15 @@ def folded_attention(
     kv_heads, p = keys.shape[1], shared_k.shape[2]
     group = heads // kv_heads
     folded_rows = b * group * t
-    if min_tokens:
-        rows = torch.sym_max(min_tokens // t, b)
 
-        def fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
-            size = rows if dim == 0 else rows * group * t
-            extra = list(x.shape)
-            extra[dim] = size - x.shape[dim]
-            return torch.cat([x, x.new_zeros(extra)], dim=dim)
-    else:
-
-        def fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
+    def fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
+        """`x` with zero rows up to `min_tokens // T` rows (dim 0) or folded rows (dim 1)."""
+        if not min_tokens:
             return x
+        rows = torch.sym_max(min_tokens // t, b)
+        extra = list(x.shape)
+        extra[dim] = (rows if dim == 0 else rows * group * t) - x.shape[dim]
+        return torch.cat([x, x.new_zeros(extra)], dim=dim)
 
     qg = q.reshape(b, kv_heads, group, t, hd)
     folded = qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, hd)
