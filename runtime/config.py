@@ -32,6 +32,8 @@ class RuntimeConfig:
     # arithmetic keeps a row's bytes whatever the row count (the torch backend checks at load)
     device_heads: bool | None = None  # the heads' D-wide MLPs on the engine's device; None:
     # on CUDA, where they keep a row's bytes and agree with the host (Heads.use_device)
+    joint_passes: bool | None = None  # each option pass and its questions' rows as one pass;
+    # None: where the engine has joint passes and keeps a row's bytes in them (the torch backend)
     share_weights: bool = True  # ONNX Runtime sessions share one copy of the weights
     ort_threads: int = 0  # ONNX Runtime intra-op threads; 0: its default (one on CUDA)
     plugin_library: str | None = None  # the TensorRT readout plugin; None: plugins/build/
@@ -112,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("cuda-graphs", "replay passes as CUDA graphs (default: on CUDA)"),
         ("fit-rows", "passes sized to the request (default: where the engine keeps bytes)"),
         ("device-heads", "the heads' large products on the GPU (default: on CUDA)"),
+        ("joint-passes", "option rows in one pass with their questions (default: where kept)"),
         ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
     ):
         group.add_argument(

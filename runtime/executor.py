@@ -21,11 +21,20 @@ import torch
 
 from runtime.backends import Backend, choose_backend
 from runtime.config import RuntimeConfig
-from runtime.constants import IMAGE_PAD_ID, MODEL_ID
+from runtime.constants import IMAGE_PAD_ID, JOINT, JOINT_GRAPH, MODEL_ID
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.manifest import verify_engine_dir
-from runtime.passes import PREFIX_STEP, OptionPass, Pass, Plan, QuestionPass, bucket, plan
+from runtime.passes import (
+    PREFIX_STEP,
+    JointPass,
+    OptionPass,
+    Pass,
+    Plan,
+    QuestionPass,
+    bucket,
+    plan,
+)
 from runtime.types import Prepared, PreparedImage, QuestionReadout
 
 # An image prefix kept across requests (RuntimeConfig.prefix_cache entries) is ~50 MiB of Gated
@@ -144,7 +153,7 @@ class Executor:
         execution thread."""
         started = time.perf_counter()
         shape = self.pass_shape()
-        work = plan(prepared, *shape)
+        work = plan(prepared, *shape, joint=self.joint)
         seconds = prepared.prepare_seconds + time.perf_counter() - started
         return replace(prepared, planned=(shape, work), prepare_seconds=seconds)
 
@@ -153,6 +162,15 @@ class Executor:
         backend keeps a row's bytes whatever the row count (`rows_fit`) and not turned off."""
         fit = self.config.fit_rows is not False and self.backend.rows_fit
         return self.config.question_batch, bool(fit)
+
+    @property
+    def joint(self) -> bool:
+        """Whether option passes run joined with their questions' rows (`lm_joint`): where the
+        backend has the graph and keeps a row's bytes in it (`joint_rows`: its products'
+        floors hold for a joint pass's rows), with fitted passes, and not turned off."""
+        if self.config.joint_passes is False or not self.backend.has_graph(JOINT_GRAPH):
+            return False
+        return bool(getattr(self.backend, "joint_rows", False)) and self.pass_shape()[1]
 
     def warm_up_request(self) -> dict:
         return warm_up_request()
@@ -200,7 +218,9 @@ class Executor:
         pass is enqueued before any readout comes back to the host (one wait, at the end); the
         options of a question pass run straight after it, while its states are the freshest."""
         shape, planned = self.pass_shape(), prepared.planned
-        work = planned[1] if planned and planned[0] == shape else plan(prepared, *shape)
+        work = planned[1] if planned and planned[0] == shape else None
+        if work is None or work.joined != self.joint:
+            work = plan(prepared, *shape, joint=self.joint)
         clock = Stopwatch(self.stages, self.stage_sync)
         with torch.inference_mode():
             key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None
@@ -218,6 +238,11 @@ class Executor:
                 clock.lap("prefix")
             asked: list[tuple[QuestionPass, dict]] = []
             answered: list[tuple[OptionPass, dict]] = []
+            for jp in work.joint:
+                out, options_out = self.run_joint(jp, prefix, prefix_state)
+                asked.append((jp.question, out))
+                answered.append((jp.options, options_out))
+                clock.lap("options")
             for pi, qp in enumerate(work.questions):
                 out, state = self.run_question(qp, prefix, prefix_state)
                 asked.append((qp, out))
@@ -526,6 +551,25 @@ class Executor:
         self, op: OptionPass, prefix: State, question_state: State
     ) -> dict[str, torch.Tensor]:
         return self.run_pass(op.rows, self.dummy_features(), prefix, question_state, False)
+
+    def run_joint(
+        self, jp: JointPass, prefix: State, after_prefix: State
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A joint pass: (the question rows' readouts, the option rows' readouts)."""
+        arrays = jp.question.rows.arrays()
+        options = jp.options.rows.arrays()
+        feeds = self.feeds(
+            {**arrays, **{JOINT + name: a for name, a in options.items()}},
+            self.dummy_features(),
+            prefix,
+            after_prefix,
+        )
+        outputs = self.outputs(jp.question.rows, arrays, with_state=False)
+        for name, tensor in self.outputs(jp.options.rows, options, with_state=False).items():
+            outputs[JOINT + name] = tensor
+        self.backend.run(JOINT_GRAPH, feeds, outputs)
+        mine = {name: outputs[name] for name in ("hidden", "logprobs")}
+        return mine, {name: outputs[JOINT + name] for name in ("hidden", "logprobs")}
 
     def dummy_features(self) -> torch.Tensor:
         dtype = self._lm_dtypes["image_features"]

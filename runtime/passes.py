@@ -10,7 +10,7 @@ rows it holds, for engines whose arithmetic keeps a row's bytes whatever the row
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -46,6 +46,12 @@ OPTION_FAMILIES = (
     (SMALL_QUESTION_OPTIONS, 32, 256),  # 32 rows × 8, 16 × 16, 8 × 24, ...
     (MAX_OPTIONS, OPTION_ROWS, OPTION_TOKENS),  # 64 rows × 8, 32 × 16, 16 × 24, ...
 )
+# Joint passes (`plan(..., joint=True)`): the option passes of a question with at most this many
+# options run with its text's rows as one pass, reading the weights once for both: they are
+# bound by reading the weights (H200, 4b BF16: 1 question 33.3 → 28.3 ms, 32 options 37.2 →
+# 32.8). The wide family's 64 × 8 passes are bound by their products, and a question part's
+# rows past 512 cost a tile more (255 options 89.6 → 94.3 ms): they stay apart.
+JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
 # engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch
@@ -155,11 +161,24 @@ class OptionPass:
 
 
 @dataclass
+class JointPass:
+    """An option pass and the rows of the question pass it continues, run as one pass (the
+    torch backend's `lm_joint`); `question` holds only the questions the options read."""
+
+    question: QuestionPass
+    options: OptionPass
+
+
+@dataclass
 class Plan:
     prefix: Pass
     prefix_length: int  # valid tokens of the image prefix
     questions: list[QuestionPass]
     options: list[OptionPass]
+    # with `plan(joint=True)`: the joining questions' option passes with their rows; the
+    # question and option passes then hold the other questions only
+    joint: list[JointPass] = field(default_factory=list)
+    joined: bool = False  # made with `joint`
 
 
 def image_prefix_length(layouts: tuple[QuestionLayout, ...]) -> int:
@@ -215,35 +234,48 @@ def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
 
 
 def plan_questions(
-    prepared: Prepared, start: int, rows: int, fit: bool = False
+    prepared: Prepared, start: int, rows: int, fit: bool = False, only: set[int] | None = None
 ) -> list[QuestionPass]:
     """Question texts by length bucket, `rows` rows a pass (fewer for long buckets: rows_for)
-    whatever the count asked; with `fit`, as many as the pass holds (fitted_rows)."""
+    whatever the count asked; with `fit`, as many as the pass holds (fitted_rows); with
+    `only`, just those questions."""
     spans = [question_span(layout, start) for layout in prepared.layouts]
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
-        groups.setdefault(bucket(len(ids), TEXT_STEP), []).append(qi)
+        if only is None or qi in only:
+            groups.setdefault(bucket(len(ids), TEXT_STEP), []).append(qi)
     passes = []
     for length, members in sorted(groups.items()):
         size = rows_for(length, rows, QUESTION_TOKENS)
         for chunk_start in range(0, len(members), size):
             chunk = members[chunk_start : chunk_start + size]
-            p = empty_pass(fitted_rows(len(chunk), size, fit), length)
-            qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
-            for row, qi in enumerate(chunk):
-                ids, positions = spans[qi]
-                fill_row(p, row, ids, positions)
-                zq_flat = row * length + len(ids) - 1
-                qp.zq_read[qi] = len(p.read_rows)
-                p.read_rows.append(zq_flat)
-                if prepared.layouts[qi].question.type == "score":
-                    continue
-                for k, option_row in enumerate(prepared.layouts[qi].rows):
-                    if option_row.first is not None:
-                        qp.first_read[(qi, k)] = len(p.targets)
-                        p.targets.append((zq_flat, option_row.first))
-            passes.append(qp)
+            rows_here = fitted_rows(len(chunk), size, fit)
+            passes.append(question_pass(prepared, spans, chunk, length, rows_here, set(chunk)))
     return passes
+
+
+def question_pass(
+    prepared: Prepared, spans: list, chunk: list[int], length: int, rows: int, read: set[int]
+) -> QuestionPass:
+    """A pass of `rows` rows of `length` tokens holding the texts of the questions `chunk`;
+    the questions in `read` get their readouts (the zq row and the options' first tokens)."""
+    p = empty_pass(rows, length)
+    qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
+    for row, qi in enumerate(chunk):
+        ids, positions = spans[qi]
+        fill_row(p, row, ids, positions)
+        if qi not in read:
+            continue
+        zq_flat = row * length + len(ids) - 1
+        qp.zq_read[qi] = len(p.read_rows)
+        p.read_rows.append(zq_flat)
+        if prepared.layouts[qi].question.type == "score":
+            continue
+        for k, option_row in enumerate(prepared.layouts[qi].rows):
+            if option_row.first is not None:
+                qp.first_read[(qi, k)] = len(p.targets)
+                p.targets.append((zq_flat, option_row.first))
+    return qp
 
 
 def plan_options(
@@ -302,10 +334,60 @@ def fill_options(
     p.positions[:, : len(chunk)] = bases[:, None] + np.arange(length)
 
 
-def plan(prepared: Prepared, question_rows: int = QUESTION_ROWS, fit: bool = False) -> Plan:
+def plan_joint(
+    prepared: Prepared,
+    start: int,
+    questions: list[QuestionPass],
+    options: list[OptionPass],
+    question_rows: int,
+    fit: bool,
+) -> list[JointPass]:
+    """Each option pass with the texts of the questions it continues, in a question part of
+    its own (the rows those questions need, as `plan_questions` sizes a pass of their length
+    bucket): a question's text runs again in each joint pass that reads it, so that every
+    question row and every option row always runs in a joint pass. A question's readouts are
+    taken in the first joint pass that holds it."""
+    spans = [question_span(layout, start) for layout in prepared.layouts]
+    read: set[int] = set()
+    joint = []
+    for op in options:
+        qp = questions[op.question_pass]
+        real = op.rows.src[: len(op.members)]
+        sources = sorted({int(s) for s in real})
+        chunk = [qp.members[s] for s in sources]
+        length = qp.rows.shape[1]
+        rows = fitted_rows(len(chunk), rows_for(length, question_rows, QUESTION_TOKENS), fit)
+        new = set(chunk) - read
+        read |= new
+        part = question_pass(prepared, spans, chunk, length, rows, new)
+        where = {s: row for row, s in enumerate(sources)}
+        src = np.zeros_like(op.rows.src)
+        src[: len(real)] = [where[int(s)] for s in real]
+        joint.append(JointPass(part, replace(op, rows=replace(op.rows, src=src))))
+    return joint
+
+
+def joins(layout: QuestionLayout) -> bool:
+    """Whether a question's rows run in joint passes: by its own option count, so that where
+    a row runs never depends on the other questions."""
+    return len(layout.opens) <= JOINT_OPTIONS
+
+
+def plan(
+    prepared: Prepared, question_rows: int = QUESTION_ROWS, fit: bool = False, joint: bool = False
+) -> Plan:
     """The passes of a request; question passes have `question_rows` rows, option passes their
     family's (fewer for long buckets), whatever else the request asks; with `fit`, each pass
-    only the rows it holds (MIN_FITTED_ROWS at least)."""
+    only the rows it holds (MIN_FITTED_ROWS at least); with `joint`, the questions that `joins`
+    in joint passes, the others in question and option passes as before."""
     prefix, n = plan_prefix(prepared)
-    questions = plan_questions(prepared, n, question_rows, fit)
-    return Plan(prefix, n, questions, plan_options(prepared, questions, fit))
+    layouts = prepared.layouts
+    joining = {qi for qi, layout in enumerate(layouts) if joint and joins(layout)}
+    apart = set(range(len(layouts))) - joining
+    questions = plan_questions(prepared, n, question_rows, fit, only=apart)
+    work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
+    if joining:
+        mine = plan_questions(prepared, n, question_rows, fit, only=joining)
+        theirs = plan_options(prepared, mine, fit)
+        work.joint = plan_joint(prepared, n, mine, theirs, question_rows, fit)
+    return work

@@ -14,6 +14,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
+`--no-separate` the GPU stages with question and option passes apart (joint passes off),
+`--quick` the host waits, vision enqueue, heads and kernel-profile steps,
 `--no-crossover` fla's crossover, `--no-kernels` the option-row tiles, `--no-reference` the
 reference's latency, `--no-parity` the float32
 parity at the end of `final` (with the reference it ran past a 390-second guard); SWEEP_UNTIL_S
@@ -403,6 +405,33 @@ def fixed_rows(executor, workloads: dict) -> list[dict]:
     executor.config = kept.with_(fit_rows=False)
     try:
         return gpu_stages(executor, workloads)
+    finally:
+        executor.config = kept
+
+
+def separate_passes(executor, workloads: dict) -> dict:
+    """The GPU stages with question and option passes apart (joint passes off), beside the
+    joint default; and how far each workload's answers move between the two (the same
+    arithmetic a row at a time: equal bytes where the kernels keep them)."""
+    from tools import bench
+
+    kept = executor.config
+    joint = {n: executor.answer(b) for n, (b, _) in workloads.items()}
+    executor.config = kept.with_(joint_passes=False)
+    try:
+        stages = gpu_stages(executor, workloads)
+        moved = {}
+        for name, (body, _) in workloads.items():
+            apart = executor.answer(body)
+            compared = bench.compare(apart, joint[name])
+            moved[name] = {
+                "max_difference": max(compared["differences"]),
+                "flips": compared["flips"],
+                "same_bytes": json.dumps(bench.without_latency(apart))
+                == json.dumps(bench.without_latency(joint[name])),
+            }
+            log(f"joint against separate, {name}: {moved[name]}")
+        return {"gpu_stages": stages, "answers": moved}
     finally:
         executor.config = kept
 
@@ -899,6 +928,7 @@ def session(final: bool) -> None:
         return
     report["backend"] = executor.backend.name
     report["pass_shape"] = executor.pass_shape()
+    report["joint_passes"] = executor.joint
     floors = getattr(executor.backend, "row_floors", {})
     report["row_floors"] = {"x".join(map(str, k)): v for k, v in floors.items()}
     log(f"pass shape {report['pass_shape']}, row floors {report['row_floors']}")
@@ -910,14 +940,18 @@ def session(final: bool) -> None:
     attempt(report, "invariance", invariance, executor)
     if executor.pass_shape()[1] and "--no-fixed" not in sys.argv:
         attempt(report, "fixed_rows", fixed_rows, executor, workloads)
-    attempt(report, "host_waits", host_waits, executor, workloads)
-    attempt(report, "vision_enqueue", vision_enqueue, executor, workloads)
-    attempt(report, "heads_sites", heads_sites, executor, workloads)
-    attempt(report, "heads_profile", heads_profile, executor, workloads)
+    if executor.joint and "--no-separate" not in sys.argv:
+        attempt(report, "separate_passes", separate_passes, executor, workloads)
+    if "--quick" not in sys.argv:
+        attempt(report, "host_waits", host_waits, executor, workloads)
+        attempt(report, "vision_enqueue", vision_enqueue, executor, workloads)
+        attempt(report, "heads_sites", heads_sites, executor, workloads)
+        attempt(report, "heads_profile", heads_profile, executor, workloads)
     if final:
         attempt(report, "requests", whole_requests, executor, workloads)
     attempt(report, "peak_memory", peak_memory, executor, workloads)
-    report["profile"] = attempt(report, "profile", profile, executor, workloads)
+    if "--quick" not in sys.argv:
+        report["profile"] = attempt(report, "profile", profile, executor, workloads)
     attempt(report, "traces", traces, executor, workloads)
     report["stats"] = executor.backend.stats()
     if not final:
@@ -1069,6 +1103,9 @@ def summarise(report: dict) -> None:
         summary += ["GPU stages", latency_table(report["gpu_stages"])]
     if isinstance(report.get("fixed_rows"), list):
         summary += ["GPU stages, fixed rows", latency_table(report["fixed_rows"])]
+    separate = report.get("separate_passes")
+    if isinstance(separate, dict) and isinstance(separate.get("gpu_stages"), list):
+        summary += ["GPU stages, passes apart", latency_table(separate["gpu_stages"])]
     if isinstance(report.get("requests"), list):
         reference = report.get("reference_fla")
         reference = reference if isinstance(reference, list) else None

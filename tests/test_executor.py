@@ -298,9 +298,9 @@ def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):
 
     made = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         made.append(args[1])
-        return plan(*args)
+        return plan(*args, **kwargs)
 
     monkeypatch.setattr(executor_module, "plan", counted)
     again = executor.execute(prepared)

@@ -194,3 +194,49 @@ def test_option_passes_are_their_rows_filled_one_by_one(tokenizer, fit):
         for name in ("input_ids", "positions", "lengths", "src"):
             got, want = getattr(op.rows, name), getattr(expected, name)
             assert got.dtype == want.dtype and np.array_equal(got, want), name
+
+
+@pytest.mark.parametrize("fit", [False, True])
+def test_joint_passes_hold_each_option_pass_with_the_rows_it_continues(tokenizer, fit):
+    """plan(joint=True): the questions with at most JOINT_OPTIONS options (their own count)
+    run in joint passes, each option pass with a question part of exactly the questions its
+    rows continue (`src` pointing at the same question), sized as a question pass of that
+    bucket; the others in question and option passes as before. Every option row once, every
+    question's readouts once."""
+    from runtime.passes import JOINT_OPTIONS, fitted_rows, question_span
+
+    questions = {**QUESTIONS, "wide": choice_with(70)["wide"]}
+    request = compile_request(parse_body(request_body(IMAGE, questions)))
+    prepared = prepare(request, tokenizer)
+    layouts = prepared.layouts
+    work = plan(prepared, QUESTION_ROWS, fit, joint=True)
+    assert work.joined and work.joint and work.questions
+    joining = {qi for qi, layout in enumerate(layouts) if len(layout.opens) <= JOINT_OPTIONS}
+    assert {qi for qp in work.questions for qi in qp.members} == set(range(len(layouts))) - joining
+    rows = [m for jp in work.joint for m in jp.options.members]
+    rows += [m for op in work.options for m in op.members]
+    assert sorted(rows) == sorted((qi, k) for qi, lay in enumerate(layouts)
+                                  for k in range(len(lay.opens)))  # fmt: skip
+    read = [qi for qp in work.questions for qi in qp.zq_read]
+    for jp in work.joint:
+        part, options = jp.question, jp.options
+        real = len(options.members)
+        assert sorted(part.members) == sorted({qi for qi, _ in options.members})
+        assert set(part.members) <= joining
+        for row, (qi, _) in enumerate(options.members):
+            assert part.members[options.rows.src[row]] == qi
+        length = part.rows.shape[1]
+        size = rows_for(length, QUESTION_ROWS, QUESTION_TOKENS)
+        assert part.rows.shape[0] == fitted_rows(len(part.members), size, fit) and real
+        for row, qi in enumerate(part.members):
+            ids, positions = question_span(layouts[qi], work.prefix_length)
+            assert part.rows.input_ids[row, : len(ids)].tolist() == ids
+            assert part.rows.positions[:, row, : len(ids)].tolist() == positions.tolist()
+        for qi, index in part.zq_read.items():
+            ids, _ = question_span(layouts[qi], work.prefix_length)
+            assert part.rows.read_rows[index] == part.members.index(qi) * length + len(ids) - 1
+        assert {qi for qi, _ in part.first_read} <= set(part.zq_read)
+        read += list(part.zq_read)
+    assert sorted(read) == list(range(len(layouts)))
+    apart = plan(prepared, QUESTION_ROWS, fit)
+    assert apart.joint == [] and not apart.joined

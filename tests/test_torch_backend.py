@@ -100,6 +100,29 @@ def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
         assert json.dumps(backwards[qid]) == json.dumps(together[qid]), qid
 
 
+def test_joint_passes_give_the_readouts_of_separate_passes(executor):
+    """A question pass and its option passes run as joint passes (one product per layer over
+    both): every readout is the separate passes' (float32 on the CPU, within its rounding)."""
+    request = json.loads(request_body(pattern_png(320, 224), gate_questions(), "image/png"))
+    prepared = executor.prepare(request)
+    assert executor.joint and prepared.planned[1].joint
+    joint = executor.readouts(prepared)
+    kept = executor.config
+    try:
+        executor.config = kept.with_(joint_passes=False)
+        separate = executor.readouts(prepared)
+    finally:
+        executor.config = kept
+    for a, b in zip(joint, separate, strict=True):
+        assert np.allclose(a.zq, b.zq, atol=1e-5, rtol=0)
+        assert np.allclose(a.u, b.u, atol=1e-5, rtol=0)
+        assert [f is None for f in a.first] == [f is None for f in b.first]
+        for fa, fb in zip(a.first, b.first, strict=True):
+            assert fa is None or abs(fa - fb) <= 1e-5
+        for pa, pb in zip(a.picked, b.picked, strict=True):
+            assert pa.shape == pb.shape and np.allclose(pa, pb, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("p, own", [(7, 6), (8, 16), (1, 641)])
 def test_folded_attention_is_grouped_attention(p, own):
     """Also where folded_attention pads the keys to KEY_ALIGN (7 and 6 keys; the prefix pass's
@@ -150,7 +173,7 @@ def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     """The CPU engine's products pass the row check, so its passes are sized to the request;
     the invariance test above then runs fitted passes of every row count."""
     from runtime.backends.compiled import product_weights
-    from runtime.passes import MIN_FITTED_ROWS, QUESTION_ROWS
+    from runtime.passes import MIN_FITTED_ROWS, QUESTION_ROWS, plan
 
     backend = executor.backend
     assert backend.rows_fit and executor.pass_shape() == (QUESTION_ROWS, True)
@@ -158,18 +181,27 @@ def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     prepared = executor.prepare(
         json.loads(request_body(pattern_png(64, 64), speed_bench_questions(1), "image/png"))
     )
+    # the CPU's floors hold up to a joint pass's rows: the option passes run with the question
     work = prepared.planned[1]
-    assert [qp.rows.shape[0] for qp in work.questions] == [MIN_FITTED_ROWS]
+    assert executor.joint and work.joined and work.questions == work.options == []
+    assert {jp.question.rows.shape[0] for jp in work.joint} == {MIN_FITTED_ROWS}
     options = len(prepared.layouts[0].opens)
-    assert sum(op.rows.shape[0] for op in work.options) < 2 * max(options, MIN_FITTED_ROWS)
-    # a 2-row question pass lends its states into buffers of the question passes' row count,
-    # so that its option passes' sources (and CUDA graphs) do not follow the questions asked
-    executor.execute(prepared)
-    sources = {key[1][0] for key in backend.buffers if key[0].startswith("src_rec.")}
-    assert sources == {QUESTION_ROWS}  # on the CPU only the lent buffers are kept
+    assert sum(jp.options.rows.shape[0] for jp in work.joint) < 2 * max(options, MIN_FITTED_ROWS)
+    apart = plan(prepared, *executor.pass_shape())
+    assert [qp.rows.shape[0] for qp in apart.questions] == [MIN_FITTED_ROWS]
     kept = executor.config
-    try:  # --no-fit-rows: the buckets' fixed row counts again
+    try:
+        # without joint passes, a 2-row question pass lends its states into buffers of the
+        # question passes' row count, so that its option passes' sources (and CUDA graphs) do
+        # not follow the questions asked
+        executor.config = kept.with_(joint_passes=False)
+        assert not executor.joint
+        executor.execute(prepared)
+        sources = {key[1][0] for key in backend.buffers if key[0].startswith("src_rec.")}
+        assert sources == {QUESTION_ROWS}  # on the CPU only the lent buffers are kept
+        # --no-fit-rows: the buckets' fixed row counts again, and no joint passes
         executor.config = kept.with_(fit_rows=False)
+        assert not executor.joint
         assert executor.pass_shape() == (QUESTION_ROWS, False)
         fixed = executor.with_plan(prepared).planned[1]
         assert [qp.rows.shape[0] for qp in fixed.questions] == [QUESTION_ROWS]

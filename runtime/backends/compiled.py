@@ -22,16 +22,18 @@ import torch.nn.functional as F
 
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
-from runtime.constants import DTYPES
+from runtime.constants import DTYPES, JOINT, JOINT_GRAPH
 from runtime.model.language import (
     BLOCKS,
+    JOINT_BLOCKS,
     folded_attention,
+    joint_body,
     lm_input_names,
     lm_output_names,
     pass_body,
 )
 from runtime.model.layers import product
-from runtime.passes import FIT_TOKENS
+from runtime.passes import FIT_TOKENS, OPTION_TOKENS, QUESTION_TOKENS
 
 log = logging.getLogger("omnijev.torch")
 
@@ -50,12 +52,14 @@ TRITON_CACHE = "triton"
 ENGINES_MANIFEST = "engines.json"
 ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
-LM_GRAPHS = ("lm_state", "lm_rows")
+LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH)
 VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
 # read by the readout, which runs after the captured body: a pass's graph is keyed by the body's
 # shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
 READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens")
 READOUT_OUTPUTS = ("hidden", "logprobs")
+ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a joint pass's
+# option rows have these inputs (JOINT + the name) besides the question rows' whole set
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
 # count. The products are checked at load, on this machine, for every row count a fitted pass
 # can give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of FIT_TOKENS
@@ -63,6 +67,10 @@ READOUT_OUTPUTS = ("hidden", "logprobs")
 # the H200 (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows
 # (K 9,216), the wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
+# a joint pass holds a question pass's tokens and an option pass's: its products' rows reach
+# this many, so the floors are measured up to it (on the H200 every row count from 384 to 1,024
+# gave the bytes of 1,024 rows; docs/measurements/h200-2026-12-02)
+JOINT_TOKENS = QUESTION_TOKENS + OPTION_TOKENS
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
 
@@ -181,6 +189,8 @@ class TorchBackend:
     """Runs `vision`, `lm_state` and `lm_rows` with the model's modules (runtime.model)."""
 
     max_pass_tokens = None  # fla's kernels and the eager core take any length
+    joint_rows = False  # fit_rows: the products' floors hold up to a joint pass's rows
+    compile_modes: list[str] = []  # invariant_compilation's settings, where compiled
 
     def __init__(
         self,
@@ -271,15 +281,15 @@ class TorchBackend:
         which its rows' bytes do not follow the row count (row_floor), the folded attention
         one shape per length (folded_attention's min_tokens), fla's one cumsum kernel that
         its autotuner keys by batch size one configuration. False, and nothing changed, when
-        some product has no such floor."""
-        floors = {}
-        for weight in product_weights(self.language):
-            floor = row_floor(weight, FIT_TOKENS)
-            if floor is None:
-                log.warning("product %s: no row floor, passes keep fixed rows", weight.shape)
-                return False
-            floors[tuple(weight.shape)] = floor
-        log.info("row floors %s", floors)
+        some product has no such floor. The floors are measured up to a joint pass's rows
+        (JOINT_TOKENS); where that finds none, up to a fitted pass's, without joint passes."""
+        floors = row_floors(self.language, JOINT_TOKENS)
+        self.joint_rows = floors is not None
+        if floors is None:
+            floors = row_floors(self.language, FIT_TOKENS)
+        if floors is None:
+            return False
+        log.info("row floors %s, joint passes %s", floors, self.joint_rows)
         self.row_floors = floors
         for layer in self.language.layers:
             block = layer.self_attn if layer.kind == "full_attention" else layer.linear_attn
@@ -300,6 +310,7 @@ class TorchBackend:
             "vision": self.vision,
             "lm_state": partial(pass_body, self.language, return_state=True),
             "lm_rows": partial(pass_body, self.language, return_state=False),
+            JOINT_GRAPH: partial(joint_body, self.language),
             "readout": partial(logprob_piece, vocab=self.vocab),
         }
         if not self.compiled:
@@ -309,11 +320,14 @@ class TorchBackend:
         torch._dynamo.config.cache_size_limit = RECOMPILE_LIMIT
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        self.compile_modes = invariant_compilation()
         blocks = {name: torch.compile(f, dynamic=True) for name, f in BLOCKS.items()}
+        joint = {name: torch.compile(f, dynamic=True) for name, f in JOINT_BLOCKS.items()}
         return {
             "vision": torch.compile(self.vision, dynamic=True),
             "lm_state": partial(pass_body, self.language, return_state=True, blocks=blocks),
             "lm_rows": partial(pass_body, self.language, return_state=False, blocks=blocks),
+            JOINT_GRAPH: partial(joint_body, self.language, blocks=joint),
             "readout": torch.compile(functions["readout"], dynamic=False),
         }
 
@@ -332,6 +346,8 @@ class TorchBackend:
                 dtypes[name] = self.dtype
             else:
                 dtypes[name] = torch.int64
+        if graph == JOINT_GRAPH:
+            dtypes.update({JOINT + name: torch.int64 for name in ROW_INPUTS})
         return dtypes
 
     # -- the contract -----------------------------------------------------------------------
@@ -345,6 +361,8 @@ class TorchBackend:
     def output_names(self, graph: str) -> list[str]:
         if graph == "vision":
             return ["image_features"]
+        if graph == JOINT_GRAPH:
+            return [*READOUT_OUTPUTS, *(JOINT + name for name in READOUT_OUTPUTS)]
         return lm_output_names(self.config, graph == "lm_state")
 
     def run(
@@ -357,17 +375,32 @@ class TorchBackend:
             else:
                 self.slots[graph].run(signature(graph, feeds), feeds, outputs)
             return
-        body = {n: t for n, t in feeds.items() if n not in READOUT_INPUTS}
-        states = {n: t for n, t in outputs.items() if n not in READOUT_OUTPUTS}
+        body = {n: t for n, t in feeds.items() if n.removeprefix(JOINT) not in READOUT_INPUTS}
+        states = {n: t for n, t in outputs.items() if n.removeprefix(JOINT) not in READOUT_OUTPUTS}
         if self.device.type != "cuda":
             results = self.compute(graph, body)
             for name, out in states.items():
                 out.copy_(results[name])
         else:
             results = self.slots[graph].run(signature(graph, body), body, states).outputs
-        flat = results["flat"]
-        outputs["hidden"].copy_(flat[feeds["read_rows"]])
-        outputs["logprobs"].copy_(self.readout(flat, feeds["target_rows"], feeds["target_tokens"]))
+        self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
+
+    def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
+        """The readouts of a pass from `flat`; a joint pass's option rows' tokens follow its
+        question rows' there, and both parts' log-probabilities come from one `readout`."""
+        parts = [("", 0)]
+        if joint:
+            parts.append((JOINT, feeds["input_ids"].numel()))
+        for prefix, start in parts:
+            outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + start])
+        rows = torch.cat([feeds[prefix + "target_rows"] + start for prefix, start in parts])
+        tokens = torch.cat([feeds[prefix + "target_tokens"] for prefix, _ in parts])
+        logprobs = self.readout(flat, rows, tokens)
+        at = 0
+        for prefix, _ in parts:
+            count = outputs[prefix + "logprobs"].shape[0]
+            outputs[prefix + "logprobs"].copy_(logprobs[at : at + count])
+            at += count
 
     def prepare(self, signatures: list[tuple]) -> int:
         """Compiles and captures each pass signature ahead of its first request, on stand-in
@@ -465,6 +498,18 @@ def product_weights(language) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def row_floors(language, tokens: int) -> dict[tuple, int] | None:
+    """Each product's `row_floor` up to `tokens` rows, by weight shape; None if one has none."""
+    floors = {}
+    for weight in product_weights(language):
+        floor = row_floor(weight, tokens)
+        if floor is None:
+            log.warning("product %s: no row floor up to %d rows", tuple(weight.shape), tokens)
+            return None
+        floors[tuple(weight.shape)] = floor
+    return floors
+
+
 def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
     """The first of FLOOR_CANDIDATES under which every multiple of ROW_STEP rows below `tokens`
     gives each row the bytes it has in a product of `tokens` rows; None if none does."""
@@ -479,6 +524,32 @@ def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
         if all(torch.equal(product(x[:m], weight, floors), full[:m]) for m in rows):
             return floor
     return None
+
+
+def invariant_compilation() -> list[str]:
+    """Compiler settings that keep a row's bytes whatever the shape it runs in; the ones this
+    torch has. Without them a pass's bytes followed which compiled graph ran it (H200, joint
+    passes: a question asked alone moved by up to 0.0084, docs/measurements/h200-2026-12-02b):
+    - no duck sizing: sizes that happen to be equal when a block is traced (a joint pass's
+      question and option rows, say) are not made one symbol, which made a new graph, with
+      kernels of its own, each time they later differed;
+    - Inductor's batch-invariant or deterministic mode: a reduction's configuration (how
+      many threads sum a row, which sets the order of its sums) is not picked by timing, so
+      two graphs, or two processes, do not sum a norm's row differently."""
+    import torch._inductor.config as inductor
+    import torch.fx.experimental._config as shapes
+
+    modes = []
+    if hasattr(shapes, "use_duck_shape"):
+        shapes.use_duck_shape = False
+        modes.append("no duck shapes")
+    for name in ("batch_invariant", "deterministic"):
+        if hasattr(inductor, name):
+            setattr(inductor, name, True)
+            modes.append(name)
+            break
+    log.info("compiled with %s", ", ".join(modes) or "no invariance settings")
+    return modes
 
 
 def pin_fla_cumsum() -> None:

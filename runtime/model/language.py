@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.readout import token_logprobs
+from runtime.constants import JOINT
 from runtime.model.gdn import CORES, GDN_VARIANTS, l2norm
 from runtime.model.layers import (
     MASKED,
@@ -179,11 +180,24 @@ class GatedAttention(nn.Module):
         fuse_linears(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
-        b, t, _ = x.shape
-        floors = self.row_floors
-        q, k, v = projections(x, self.qkv, self.q_proj, self.k_proj, self.v_proj, floors=floors)
-        q, gate = q.reshape(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(b, t, self.heads * self.head_dim)
+        q, gate, k, v = self.project(x)
+        attn, k, v = self.mix(q, k, v, cos, sin, mask, prefix_k, prefix_v, src_k, src_v)
+        return self.output(attn, gate), k, v
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per token of x [..., D]: q [..., H, hd] (before its norm), the gate [..., H·hd], k
+        and v [..., KVH·hd]."""
+        lead = x.shape[:-1]
+        q, k, v = projections(
+            x, self.qkv, self.q_proj, self.k_proj, self.v_proj, floors=self.row_floors
+        )
+        q, gate = q.reshape(*lead, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        return q, gate.reshape(*lead, self.heads * self.head_dim), k, v
+
+    def mix(self, q, k, v, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
+        """Rows [B, T] of `project`'s q, k, v: the attention [B, T, H·hd] and the rows' own
+        k, v [B, KVH, T, hd] (normalised, rotated)."""
+        b, t = q.shape[:2]
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k.reshape(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -191,7 +205,10 @@ class GatedAttention(nn.Module):
         keys = torch.cat([src_k, k], dim=2)
         values = torch.cat([src_v, v], dim=2)
         attn = self.attend(q, prefix_k, prefix_v, keys, values, mask, self.head_dim**-0.5)
-        return product(attn * torch.sigmoid(gate), self.o_proj.weight, floors), k, v
+        return attn, k, v
+
+    def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return product(attn * torch.sigmoid(gate), self.o_proj.weight, self.row_floors)
 
 
 class GatedDeltaNet(nn.Module):
@@ -250,11 +267,24 @@ class GatedDeltaNet(nn.Module):
         return x.expand(b, t, count, self.v_heads // count, dim).reshape(b, t, self.v_heads, dim)
 
     def forward(self, x, valid, lengths, conv_past, rec_past, want_state: bool = True, src=None):
-        """With `src`, `rec_past` holds one state per source and row n continues `rec_past[src[n]]`
-        (option rows: on CUDA read in place by the kernel, never gathered)."""
-        b, t, _ = x.shape
-        floors = self.row_floors
-        raw, z, beta_raw, a = projections(x, self.in_proj, *self.input_linears(), floors=floors)
+        y, conv_state, rec_state = self.mix(
+            *self.project(x), valid, lengths, conv_past, rec_past, want_state, src
+        )
+        return self.output(y), conv_state, rec_state
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Per token of x [..., D]: the conv's raw input, the gate z, beta's and a's logits."""
+        return projections(x, self.in_proj, *self.input_linears(), floors=self.row_floors)
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        return product(y, self.out_proj.weight, self.row_floors)
+
+    def mix(self, raw, z, beta_raw, a, valid, lengths, conv_past, rec_past, want_state, src):
+        """Rows [B, T] of `project`'s outputs: the normed core output [B, T, HV·dv] (before
+        out_proj), the conv state and the recurrent state. With `src`, `rec_past` holds one
+        state per source and row n continues `rec_past[src[n]]` (option rows: on CUDA read in
+        place by the kernel, never gathered)."""
+        b, t, _ = raw.shape
         mixed, conv_state = self.conv(raw, conv_past, lengths)
         key_width = self.k_heads * self.dk
         q, k, v = mixed.split([key_width, key_width, self.v_heads * self.dv], dim=-1)
@@ -291,8 +321,8 @@ class GatedDeltaNet(nn.Module):
             core = CORES[self.gdn if torch.onnx.is_in_onnx_export() else self.core]
             out, rec_state = core(q, k, v, g, beta, rec_past.float())
         z = z.reshape(b, t, self.v_heads, self.dv)
-        y = self.norm(out.to(x.dtype), z).reshape(b, t, self.v_heads * self.dv)
-        return product(y, self.out_proj.weight, floors), conv_state, rec_state
+        y = self.norm(out.to(raw.dtype), z).reshape(b, t, self.v_heads * self.dv)
+        return y, conv_state, rec_state
 
 
 class DecoderLayer(nn.Module):
@@ -513,21 +543,10 @@ def pass_body(
     and Gated DeltaNet forms the layers were given (`attend`, `core`). `blocks` may hold
     compiled forms of `attention_block` and `delta_block`."""
     blocks = blocks or BLOCKS
-    input_ids, lengths, src = feeds["input_ids"], feeds["lengths"], feeds["src"]
-    b, t = input_ids.shape
-    h = module.embed(input_ids, feeds["image_features"])
-    cos, sin = module.rotary(feeds["positions"], h.dtype)
-    steps = torch.arange(t, device=input_ids.device)
-    valid = steps[None, :] < lengths[:, None]
-    causal = steps[None, :, None] >= steps[None, None, :]
-    mask = torch.cat(
-        [
-            feeds["prefix_mask"][:, None, :].expand(b, t, -1),
-            per_row(feeds["src_mask"], src, b)[:, None, :].expand(-1, t, -1),
-            causal & valid[:, None, :],
-        ],
-        dim=-1,
-    )
+    lengths, src = feeds["lengths"], feeds["src"]
+    h, cos, sin, valid, own = rows_inputs(module, feeds, "")
+    b, t = valid.shape
+    mask = rows_mask(feeds["prefix_mask"], per_row(feeds["src_mask"], src, b), own)
     out: dict[str, torch.Tensor] = {}
     i = j = 0
     for layer in module.layers:
@@ -562,3 +581,117 @@ def pass_body(
             j += 1
     out["flat"] = module.norm(h).reshape(b * t, -1)
     return out
+
+
+def rows_inputs(module: LanguagePass, feeds: dict, prefix: str) -> tuple[torch.Tensor, ...]:
+    """The embedded rows [B, T, D], cos and sin, which tokens are valid [B, T] and which of
+    its own tokens each token sees [B, T, T] (causal, valid), from the feeds named
+    `prefix` + the graph's names."""
+    input_ids, lengths = feeds[prefix + "input_ids"], feeds[prefix + "lengths"]
+    t = input_ids.shape[1]
+    h = module.embed(input_ids, feeds["image_features"])
+    cos, sin = module.rotary(feeds[prefix + "positions"], h.dtype)
+    steps = torch.arange(t, device=input_ids.device)
+    valid = steps[None, :] < lengths[:, None]
+    causal = steps[None, :, None] >= steps[None, None, :]
+    return h, cos, sin, valid, causal & valid[:, None, :]
+
+
+def rows_mask(prefix_mask: torch.Tensor, past: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """[B, T, P + Q + T]: the prefix's valid keys, each row's past [B, Q], its own `own`."""
+    b, t = own.shape[:2]
+    return torch.cat(
+        [prefix_mask[:, None, :].expand(b, t, -1), past[:, None, :].expand(-1, t, -1), own],
+        dim=-1,
+    )
+
+
+# -- the joint pass: a question pass's rows and the option rows that continue them, as one ------
+
+
+def part(x: torch.Tensor, start, rows: int, tokens: int) -> torch.Tensor:
+    """Rows [rows, tokens, ...] of the flat tokens x [N, ...] from token `start` on."""
+    return x[start : start + rows * tokens].reshape(rows, tokens, *x.shape[1:])
+
+
+def joint_attention_block(
+    layer, h, cos_q, sin_q, mask_q, cos_o, sin_o, mask_o, prefix_k, prefix_v, src_k, src_v, src
+):
+    """One attention decoder layer of `joint_body` over the flat tokens h [Nq + No, D]: the
+    question rows as `attention_block` would run them, then the option rows, whose past is
+    their question row's keys and values of this very layer; the products over all tokens."""
+    attn = layer.self_attn
+    (bq, tq), (bo, to) = cos_q.shape[:2], cos_o.shape[:2]
+    nq = bq * tq
+    q, gate, k, v = attn.project(layer.input_layernorm(h))
+    mine = [part(x, 0, bq, tq) for x in (q, k, v)]
+    out_q, k_q, v_q = attn.mix(*mine, cos_q, sin_q, mask_q, prefix_k, prefix_v, src_k, src_v)
+    theirs = [part(x, nq, bo, to) for x in (q, k, v)]
+    out_o, _, _ = attn.mix(
+        *theirs, cos_o, sin_o, mask_o, prefix_k, prefix_v, per_row(k_q, src, bo),
+        per_row(v_q, src, bo),
+    )  # fmt: skip
+    h = h + attn.output(torch.cat([out_q.flatten(0, 1), out_o.flatten(0, 1)]), gate)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def joint_delta_block(
+    layer, h, valid_q, lengths_q, valid_o, lengths_o, conv_past, rec_past, src_q, src_o
+):
+    """One Gated DeltaNet decoder layer of `joint_body`: the question rows carry their sources'
+    states on (`delta_block`), the option rows continue their question row's states of this
+    very layer (`src_o`); the products over all tokens."""
+    delta = layer.linear_attn
+    (bq, tq), (bo, to) = valid_q.shape, valid_o.shape
+    nq = bq * tq
+    projected = delta.project(layer.input_layernorm(h))
+    y_q, conv, rec = delta.mix(
+        *(part(x, 0, bq, tq) for x in projected), valid_q, lengths_q, conv_past, rec_past,
+        True, src_q,
+    )  # fmt: skip
+    y_o, _, _ = delta.mix(
+        *(part(x, nq, bo, to) for x in projected), valid_o, lengths_o, per_row(conv, src_o, bo),
+        rec, False, src_o,
+    )  # fmt: skip
+    h = h + delta.output(torch.cat([y_q.flatten(0, 1), y_o.flatten(0, 1)]))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+JOINT_BLOCKS = {"attention": joint_attention_block, "delta": joint_delta_block}
+
+
+def joint_body(
+    module: LanguagePass, feeds: dict, blocks: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """A question pass and an option pass over its rows as one pass (the torch backend's
+    `lm_joint`): the question rows (the graph's names) continue the image prefix, the option
+    rows (`JOINT` + the names; `opt.src` indexes the question rows) continue the question rows
+    layer by layer. Every row gets the arithmetic of its own pass (`pass_body`); the products
+    run once over both parts' tokens, so the weights are read once for both. Returns `flat`
+    [Nq + No, D] after the final norm, the question rows' tokens first."""
+    blocks = blocks or JOINT_BLOCKS
+    src = feeds["src"]
+    h_q, cos_q, sin_q, valid_q, own_q = rows_inputs(module, feeds, "")
+    h_o, cos_o, sin_o, valid_o, own_o = rows_inputs(module, feeds, JOINT)
+    opt_src = feeds[JOINT + "src"]
+    bq = valid_q.shape[0]
+    mask_q = rows_mask(feeds["prefix_mask"], per_row(feeds["src_mask"], src, bq), own_q)
+    mask_o = rows_mask(feeds["prefix_mask"], valid_q[opt_src], own_o)
+    h = torch.cat([h_q.flatten(0, 1), h_o.flatten(0, 1)])
+    i = j = 0
+    for layer in module.layers:
+        if layer.kind == "full_attention":
+            h = blocks["attention"](
+                layer, h, cos_q, sin_q, mask_q, cos_o, sin_o, mask_o,
+                feeds[f"prefix_k.{i}"], feeds[f"prefix_v.{i}"],
+                per_row(feeds[f"src_k.{i}"], src, bq), per_row(feeds[f"src_v.{i}"], src, bq),
+                opt_src,
+            )  # fmt: skip
+            i += 1
+        else:
+            h = blocks["delta"](
+                layer, h, valid_q, feeds["lengths"], valid_o, feeds[JOINT + "lengths"],
+                per_row(feeds[f"src_conv.{j}"], src, bq), feeds[f"src_rec.{j}"], src, opt_src,
+            )  # fmt: skip
+            j += 1
+    return {"flat": module.norm(h)}
