@@ -48,9 +48,10 @@ OPTION_FAMILIES = (
 )
 # Joint passes (`plan(..., joint=True)`): the option passes of a question with at most this many
 # options run with its text's rows as one pass, reading the weights once for both: they are
-# bound by reading the weights (H200, 4b BF16: 1 question 33.3 → 28.3 ms, 32 options 37.2 →
-# 32.8). The wide family's 64 × 8 passes are bound by their products, and a question part's
-# rows past 512 cost a tile more (255 options 89.6 → 94.3 ms): they stay apart.
+# bound by reading the weights (H200, 4b BF16, GPU stages: 1 question 32.8 → 28.1 ms, 32 options
+# 35.5 → 31.5; docs/measurements/h200-2026-12-02b). The wide family's 64 × 8 passes are bound by
+# their products, and a question part's rows past 512 cost a tile more (255 options joined:
+# 89.6 → 94.3 ms): they stay apart.
 JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an

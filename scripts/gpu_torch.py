@@ -929,6 +929,7 @@ def session(final: bool) -> None:
     report["backend"] = executor.backend.name
     report["pass_shape"] = executor.pass_shape()
     report["joint_passes"] = executor.joint
+    report["compile_modes"] = getattr(executor.backend, "compile_modes", [])
     floors = getattr(executor.backend, "row_floors", {})
     report["row_floors"] = {"x".join(map(str, k)): v for k, v in floors.items()}
     log(f"pass shape {report['pass_shape']}, row floors {report['row_floors']}")
