@@ -215,8 +215,9 @@ class Executor:
 
     def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
         """Hidden states and log-probabilities of every question, through the engines. Every
-        pass is enqueued before any readout comes back to the host (one wait, at the end); the
-        options of a question pass run straight after it, while its states are the freshest."""
+        pass is enqueued before any readout comes back to the host (one wait, at the end): the
+        joint passes (`plan(joint=True)`), then each question pass and straight after it its
+        options, while its states are the freshest."""
         shape, planned = self.pass_shape(), prepared.planned
         work = planned[1] if planned and planned[0] == shape else None
         if work is None or work.joined != self.joint:

@@ -61,9 +61,10 @@ READOUT_OUTPUTS = ("hidden", "logprobs")
 ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a joint pass's
 # option rows have these inputs (JOINT + the name) besides the question rows' whole set
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
-# count. The products are checked at load, on this machine, for every row count a fitted pass
-# can give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of FIT_TOKENS
-# rows; one that differs is padded to the first of FLOOR_CANDIDATES under which none does. On
+# count. The products are checked at load, on this machine, for every row count a pass can
+# give them (multiples of ROW_STEP up to JOINT_TOKENS, else FIT_TOKENS), against the product of
+# that many rows; one that differs is padded to the first of FLOOR_CANDIDATES under which none
+# does. On
 # the H200 (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows
 # (K 9,216), the wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
@@ -288,6 +289,7 @@ class TorchBackend:
         if floors is None:
             floors = row_floors(self.language, FIT_TOKENS)
         if floors is None:
+            log.warning("a product has no row floor: passes keep fixed rows")
             return False
         log.info("row floors %s, joint passes %s", floors, self.joint_rows)
         self.row_floors = floors
@@ -504,7 +506,7 @@ def row_floors(language, tokens: int) -> dict[tuple, int] | None:
     for weight in product_weights(language):
         floor = row_floor(weight, tokens)
         if floor is None:
-            log.warning("product %s: no row floor up to %d rows", tuple(weight.shape), tokens)
+            log.info("product %s: no row floor up to %d rows", tuple(weight.shape), tokens)
             return None
         floors[tuple(weight.shape)] = floor
     return floors
