@@ -64,9 +64,8 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a 
 # count. The products are checked at load, on this machine, for every row count a pass can
 # give them (multiples of ROW_STEP up to JOINT_TOKENS, else FIT_TOKENS), against the product of
 # that many rows; one that differs is padded to the first of FLOOR_CANDIDATES under which none
-# does. On
-# the H200 (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows
-# (K 9,216), the wide ones at 0 (docs/measurements/h200-2026-12-01d)
+# does. On the H200 (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384
+# rows (K 9,216), the wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
 # a joint pass holds a question pass's tokens and an option pass's: its products' rows reach
 # this many, so the floors are measured up to it (on the H200 every row count from 384 to 1,024
@@ -187,7 +186,8 @@ def logprob_piece(
 
 
 class TorchBackend:
-    """Runs `vision`, `lm_state` and `lm_rows` with the model's modules (runtime.model)."""
+    """Runs `vision`, `lm_state`, `lm_rows` and the joint pass `lm_joint` with the model's
+    modules (runtime.model)."""
 
     max_pass_tokens = None  # fla's kernels and the eager core take any length
     joint_rows = False  # fit_rows: the products' floors hold up to a joint pass's rows

@@ -1,5 +1,6 @@
 """One language-model pass over right-padded rows continuing a shared image prefix and per-row
-states: gated attention, Gated DeltaNet, the readouts (docs/design.md "Language-model passes").
+states: gated attention, Gated DeltaNet, the readouts (docs/design.md "Language-model passes");
+and the torch backend's joint pass, a question's rows and the option rows continuing them.
 
 Follows transformers 5.17 `Qwen3_5TextModel` (model.md §2-§5); the Gated DeltaNet core comes from
 `runtime.model.gdn` by name.
