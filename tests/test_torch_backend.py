@@ -5,6 +5,7 @@ questions, their order and repetition; the attention and readout forms it runs."
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
@@ -121,6 +122,45 @@ def test_joint_passes_give_the_readouts_of_separate_passes(executor):
             assert fa is None or abs(fa - fb) <= 1e-5
         for pa, pb in zip(a.picked, b.picked, strict=True):
             assert pa.shape == pb.shape and np.allclose(pa, pb, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("duck", [False, True])
+def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck):
+    """With `invariant_compilation` (no duck sizing) each joint block traces to one graph for
+    every request's row counts, so a question's rows never run in a graph of their own because
+    of the other questions (on the GPU each graph picks its own reduction configurations, and
+    with them a row's bytes); with duck sizing the same requests make more graphs."""
+    import torch.fx.experimental._config as shapes
+
+    from runtime.backends.compiled import invariant_compilation
+    from runtime.model.language import JOINT_BLOCKS, joint_body
+
+    invariant_compilation()
+    graphs: dict[str, int] = {}
+
+    def counted(name: str):
+        def backend(gm, example_inputs):
+            graphs[name] = graphs.get(name, 0) + 1
+            return gm.forward
+
+        return torch.compile(JOINT_BLOCKS[name], dynamic=True, backend=backend)
+
+    backend = executor.backend
+    kept = backend.functions
+    joint = {name: counted(name) for name in JOINT_BLOCKS}
+    backend.functions = {**kept, "lm_joint": partial(joint_body, backend.language, blocks=joint)}
+    image = pattern_png(96, 64)
+    try:
+        with shapes.patch(use_duck_shape=duck):
+            executor.answer(json.dumps(executor.warm_up_request()).encode())
+            executor.answer(request_body(image, speed_bench_questions(3), "image/png"))
+    finally:
+        backend.functions = kept
+    assert set(graphs) == set(JOINT_BLOCKS)
+    if duck:
+        assert sum(graphs.values()) > len(JOINT_BLOCKS), graphs
+    else:
+        assert graphs == dict.fromkeys(JOINT_BLOCKS, 1)
 
 
 @pytest.mark.parametrize("p, own", [(7, 6), (8, 16), (1, 641)])
