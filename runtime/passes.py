@@ -235,12 +235,11 @@ def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
 
 
 def plan_questions(
-    prepared: Prepared, start: int, rows: int, fit: bool = False, only: set[int] | None = None
+    prepared: Prepared, spans: list, rows: int, fit: bool = False, only: set[int] | None = None
 ) -> list[QuestionPass]:
-    """Question texts by length bucket, `rows` rows a pass (fewer for long buckets: rows_for)
-    whatever the count asked; with `fit`, as many as the pass holds (fitted_rows); with
-    `only`, just those questions."""
-    spans = [question_span(layout, start) for layout in prepared.layouts]
+    """Question texts (`spans`, each question's `question_span`) by length bucket, `rows` rows
+    a pass (fewer for long buckets: rows_for) whatever the count asked; with `fit`, as many as
+    the pass holds (fitted_rows); with `only`, just those questions."""
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
         if only is None or qi in only:
@@ -337,7 +336,7 @@ def fill_options(
 
 def plan_joint(
     prepared: Prepared,
-    start: int,
+    spans: list,
     questions: list[QuestionPass],
     options: list[OptionPass],
     question_rows: int,
@@ -348,7 +347,6 @@ def plan_joint(
     bucket): a question's text runs again in each joint pass that reads it, so that every
     question row and every option row always runs in a joint pass. A question's readouts are
     taken in the first joint pass that holds it."""
-    spans = [question_span(layout, start) for layout in prepared.layouts]
     read: set[int] = set()
     joint = []
     for op in options:
@@ -383,12 +381,13 @@ def plan(
     in joint passes, the others in question and option passes as before."""
     prefix, n = plan_prefix(prepared)
     layouts = prepared.layouts
+    spans = [question_span(layout, n) for layout in layouts]
     joining = {qi for qi, layout in enumerate(layouts) if joint and joins(layout)}
     apart = set(range(len(layouts))) - joining
-    questions = plan_questions(prepared, n, question_rows, fit, only=apart)
+    questions = plan_questions(prepared, spans, question_rows, fit, only=apart)
     work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
     if joining:
-        mine = plan_questions(prepared, n, question_rows, fit, only=joining)
+        mine = plan_questions(prepared, spans, question_rows, fit, only=joining)
         theirs = plan_options(prepared, mine, fit)
-        work.joint = plan_joint(prepared, n, mine, theirs, question_rows, fit)
+        work.joint = plan_joint(prepared, spans, mine, theirs, question_rows, fit)
     return work

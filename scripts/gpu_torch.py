@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -399,14 +400,21 @@ def gpu_stages(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
     return rows
 
 
-def fixed_rows(executor, workloads: dict) -> list[dict]:
-    """The GPU stages with passes of fixed rows (fit_rows off), beside the fitted default."""
+@contextmanager
+def settings(executor, **changes):
+    """The executor under other RuntimeConfig settings, its own again afterwards."""
     kept = executor.config
-    executor.config = kept.with_(fit_rows=False)
+    executor.config = kept.with_(**changes)
     try:
-        return gpu_stages(executor, workloads)
+        yield executor
     finally:
         executor.config = kept
+
+
+def fixed_rows(executor, workloads: dict) -> list[dict]:
+    """The GPU stages with passes of fixed rows (fit_rows off), beside the fitted default."""
+    with settings(executor, fit_rows=False):
+        return gpu_stages(executor, workloads)
 
 
 def separate_passes(executor, workloads: dict) -> dict:
@@ -415,10 +423,8 @@ def separate_passes(executor, workloads: dict) -> dict:
     arithmetic a row at a time: equal bytes where the kernels keep them)."""
     from tools import bench
 
-    kept = executor.config
     joint = {n: executor.answer(b) for n, (b, _) in workloads.items()}
-    executor.config = kept.with_(joint_passes=False)
-    try:
+    with settings(executor, joint_passes=False):
         stages = gpu_stages(executor, workloads)
         moved = {}
         for name, (body, _) in workloads.items():
@@ -432,8 +438,6 @@ def separate_passes(executor, workloads: dict) -> dict:
             }
             log(f"joint against separate, {name}: {moved[name]}")
         return {"gpu_stages": stages, "answers": moved}
-    finally:
-        executor.config = kept
 
 
 def synced_stages(executor, prepared, runs: int = 5) -> dict[str, float]:

@@ -67,9 +67,10 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a 
 # does. On the H200 (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384
 # rows (K 9,216), the wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
-# a joint pass holds a question pass's tokens and an option pass's: its products' rows reach
-# this many, so the floors are measured up to it (on the H200 every row count from 384 to 1,024
-# gave the bytes of 1,024 rows; docs/measurements/h200-2026-12-02)
+# a joint pass holds a question pass's tokens and an option pass's: at most this many with any
+# option family, so the floors are measured up to it (on the H200 every row count from 384 to
+# 1,024 gave the bytes of 1,024 rows; docs/measurements/h200-2026-12-02). Only the small
+# family joins now (runtime.passes.JOINT_OPTIONS), whose joint passes stay within FIT_TOKENS
 JOINT_TOKENS = QUESTION_TOKENS + OPTION_TOKENS
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
