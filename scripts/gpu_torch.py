@@ -390,6 +390,7 @@ def gpu_stages(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
             "workload": name,
             "median_ms": 1e3 * statistics.median(times),
             "p90_ms": 1e3 * quantile(times, 0.9),
+            "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
             "enqueue_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in stages.items()},
             "stages_ms": synced_stages(executor, prepared),
         }
@@ -504,6 +505,7 @@ def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
                 "workload": name,
                 "median_ms": 1e3 * statistics.median(times),
                 "p90_ms": 1e3 * bench.quantile(times, 0.9),
+                "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
                 "stages_ms": {k: round(1e3 * v, 2) for k, v in executor.stages.items()},
             }
         )
