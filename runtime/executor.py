@@ -127,6 +127,8 @@ class Executor:
                     "heads: the device's products fail the check, the heads stay on the CPU"
                 )
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
+        # the backend runs a pass without readout outputs without its readout
+        self.backend_skips_readouts = bool(getattr(self.backend, "optional_readouts", False))
         self.image_token = int(self.model_config.get("image_token_id", IMAGE_PAD_ID))
         # a hit reuses the very tensors the same inputs gave: bit-identical answers either way
         self.prefix_cache: LRU[str, tuple[State, State]] = LRU(self.config.prefix_cache)
@@ -454,6 +456,9 @@ class Executor:
         graph = "lm_state" if with_state else "lm_rows"
         arrays = rows.arrays()
         outputs = self.outputs(rows, arrays, with_state, lend)
+        if not rows.read_rows and not rows.targets and self.backend_skips_readouts:
+            outputs.pop("hidden")  # nothing read (the image prefix): no readout to run
+            outputs.pop("logprobs")
         self.backend.run(graph, self.feeds(arrays, features, prefix, src), outputs)
         return outputs
 

@@ -13,6 +13,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py parity     # build when missing; float32 parity alone
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
+`cold --only-without` runs the start without caches alone, `cold --only-with` the start with
+the caches a previous call left (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
@@ -76,6 +78,10 @@ LOAD_CLIENTS = 8  # issue 13's closed-loop clients
 # PyTorch threads of the host profiles after the load test (HOST_THREADS="" skips them)
 HOST_THREADS = [int(n) for n in os.environ.get("HOST_THREADS", "4,8").split(",") if n]
 READY_LIMIT_S = 400  # the server's start, load and warm-up on the bench workloads
+# what a cold-start process logs (its stderr goes to $OUT): Dynamo's recompiles and their
+# guards, each Triton autotuning with its seconds
+COLD_LOGS = {"TORCH_LOGS": "recompiles", "TRITON_PRINT_AUTOTUNING": "1"}
+COLD_LOG_CHARS = 4_000_000
 CROSSOVER = [(16, 16), (8, 32), (64, 8), (32, 16), (16, 24), (1, 64), (1, 128), (1, 640)]
 
 
@@ -829,7 +835,12 @@ def cold_start(engines: Path) -> dict:
     compiled and captured) in a new process: first with the engine directory's caches emptied,
     then again with the caches the first one left."""
     result = {}
-    for label in ("without_caches", "with_caches"):
+    labels = ["without_caches", "with_caches"]
+    if "--only-without" in sys.argv:  # the first of two calls (each call has 10 minutes)
+        labels.remove("with_caches")
+    if "--only-with" in sys.argv and (engines / "torch").is_dir():  # the second, still warm
+        labels.remove("without_caches")
+    for label in labels:
         if label == "without_caches":
             shutil.rmtree(engines / "torch", ignore_errors=True)
         started = time.perf_counter()
@@ -837,11 +848,13 @@ def cold_start(engines: Path) -> dict:
             [sys.executable, "-u", __file__, "coldstart", str(engines), *sys.argv[2:]],
             capture_output=True,
             text=True,
+            env={**os.environ, **COLD_LOGS},
         )
+        (OUT / f"cold-{label}.log").write_text(done.stdout + "\n" + done.stderr[-COLD_LOG_CHARS:])
         result[label] = {
             "seconds": time.perf_counter() - started,
             "exit": done.returncode,
-            "inner": done.stdout.strip().splitlines()[-1:] if done.stdout else [],
+            "inner": done.stdout.strip().splitlines()[-2:] if done.stdout else [],
             "stderr_tail": done.stderr[-1500:] if done.returncode else "",
         }
         log(f"cold start {label}: {result[label]['seconds']:.1f} s (exit {done.returncode})")
@@ -849,15 +862,62 @@ def cold_start(engines: Path) -> dict:
 
 
 def coldstart(engines: str) -> None:
-    """One process: the torch artifacts of `engines` (made now when missing), load, warm-up."""
+    """One process: the torch artifacts of `engines` (made now when missing), load, warm-up.
+    Each warm-up request's compiler work goes to stderr (`compile_steps`), beside the
+    recompiles and Triton autotuning that `cold_start` asks the process to log."""
     started = time.perf_counter()
     from build_engines.engines import build_torch_artifacts
+    from runtime.executor import Executor
     from tools import bench
 
     image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
     warm = [bench.body(image, "image/png", qs) for qs in bench.workloads().values()]
+    steps: list[dict] = []
+    Executor.answer = compile_steps(Executor.answer, steps)
     record = build_torch_artifacts(WORK / f"{PRESET}-export", engines, "bfloat16", warm)
     print(json.dumps({"ready_s": time.perf_counter() - started, "artifacts": record}))
+    print(json.dumps({"compile_steps": steps, "compile_times": compile_times()}))
+
+
+def compile_steps(answer, steps: list):
+    """`Executor.answer` that records, per request, its seconds and what the compilers did
+    meanwhile: graphs Dynamo made, FX-graph cache hits and misses, CUDA graphs captured."""
+    import torch._dynamo.utils as dynamo_utils
+
+    def counted() -> dict:
+        counters = dynamo_utils.counters
+        return {
+            "graphs": counters["stats"]["unique_graphs"],
+            "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
+            "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+        }
+
+    def wrapped(self, body: bytes) -> dict:
+        before, at = counted(), time.perf_counter()
+        captured = sum(s["captured"] for s in self.backend.stats().values())
+        print(f"== warm-up request {len(steps)}", file=sys.stderr, flush=True)
+        try:
+            return answer(self, body)
+        finally:
+            after = counted()
+            step = {k: after[k] - before[k] for k in after}
+            step["captures"] = sum(s["captured"] for s in self.backend.stats().values()) - captured
+            step["seconds"] = round(time.perf_counter() - at, 2)
+            steps.append(step)
+            print(f"== done {step}", file=sys.stderr, flush=True)
+
+    return wrapped
+
+
+def compile_times() -> str:
+    """Dynamo's per-phase compile seconds of this process, as its table."""
+    try:
+        import torch._dynamo.utils as dynamo_utils
+
+        return dynamo_utils.compile_times(repr="str", aggregate=True)
+    except Exception as error:  # a torch without it: the steps still tell
+        return f"unavailable: {error}"
 
 
 # -- tables ----------------------------------------------------------------------------------
@@ -1040,7 +1100,9 @@ def served(engines: Path, report: dict) -> None:
     log_path = WORK / "server.log"
     started = time.perf_counter()
     with open(log_path, "wb") as server_log:
-        server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            command, stdout=server_log, stderr=subprocess.STDOUT, env={**os.environ, **COLD_LOGS}
+        )
     try:
         report["ready_s"] = wait_ready(f"http://127.0.0.1:{port}/health", server, started)
         log(f"server ready in {report['ready_s']:.1f} s")
@@ -1056,7 +1118,9 @@ def served(engines: Path, report: dict) -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
-        report["server_log_tail"] = log_path.read_text(errors="replace")[-3000:]
+        text = log_path.read_text(errors="replace")
+        report["server_log_tail"] = text[-3000:]
+        (OUT / "server.log").write_text(text[-COLD_LOG_CHARS:])  # its start, recompiles included
 
 
 def wait_ready(url: str, server: subprocess.Popen, started: float) -> float:

@@ -439,10 +439,13 @@ class Worker:
         log.info("warm-up done in %.3f s", time.perf_counter() - start)
 
     async def _warm_up_round(self) -> None:
-        for body in [None, *self.warm_ups]:
+        for index, body in enumerate([None, *self.warm_ups]):
+            start = time.perf_counter()
             ticket = Ticket()
             prepared = await self.scheduler.prepare(ticket, self._prepare_warm_up, body)
             await self.execute(ticket, prepared)
+            # what a cold start spends where: the new shapes' compilations and captures
+            log.info("warm-up request %d in %.3f s", index, time.perf_counter() - start)
 
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)

@@ -124,6 +124,34 @@ def test_joint_passes_give_the_readouts_of_separate_passes(executor):
             assert pa.shape == pb.shape and np.allclose(pa, pb, atol=1e-5, rtol=0)
 
 
+def test_a_pass_that_reads_nothing_runs_no_readout(executor, monkeypatch):
+    """The image prefix reads no row: its pass runs without the readout (a 128-row piece over
+    the whole vocabulary), every other pass with it, and the answers stay the same bytes."""
+    executor.prefix_cache.entries.clear()
+    monkeypatch.setattr(executor.prefix_cache, "size", 0)  # every request runs its prefix
+    body = request_body(pattern_png(320, 224), gate_questions(), "image/png")
+    prepared = executor.prepare(json.loads(body))
+    backend, reads = executor.backend, []
+    plain = backend.read
+
+    def read(flat, feeds, outputs, joint):
+        reads.append(tuple(feeds["input_ids"].shape))
+        return plain(flat, feeds, outputs, joint)
+
+    monkeypatch.setattr(backend, "read", read)
+    skipped = executor.readouts(prepared)
+    work = prepared.planned[1]
+    passes = len(work.joint) + len(work.questions) + len(work.options)
+    assert len(reads) == passes and work.prefix.shape not in reads
+    monkeypatch.setattr(executor, "backend_skips_readouts", False)
+    reads.clear()
+    kept = executor.readouts(prepared)
+    assert reads[0] == work.prefix.shape and len(reads) == passes + 1
+    for a, b in zip(skipped, kept, strict=True):
+        assert np.array_equal(a.zq, b.zq) and np.array_equal(a.u, b.u)
+        assert all(np.array_equal(x, y) for x, y in zip(a.picked, b.picked, strict=True))
+
+
 @pytest.mark.parametrize("duck", [False, True])
 def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck):
     """With `invariant_compilation` (no duck sizing) each joint block traces to one graph for

@@ -28,6 +28,9 @@ class Backend(Protocol):
     # passes are split by the executor
     rows_fit: bool  # a row's outputs are the same bytes whatever the pass's row count, so the
     # executor may size passes to the request (runtime.passes.fitted_rows)
+    # optional (False where absent): `run` may be given no readout outputs (`hidden`,
+    # `logprobs`), and then runs no readout (a pass that reads nothing: the image prefix)
+    optional_readouts: bool
 
     def has_graph(self, graph: str) -> bool:
         """Whether this graph exists (`lm_rows` is optional: `lm_state` answers option passes)."""

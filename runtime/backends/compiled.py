@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -33,7 +34,7 @@ from runtime.model.language import (
     pass_body,
 )
 from runtime.model.layers import product
-from runtime.passes import FIT_TOKENS, OPTION_TOKENS, QUESTION_TOKENS
+from runtime.passes import FIT_TOKENS
 
 log = logging.getLogger("omnijev.torch")
 
@@ -62,16 +63,13 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a 
 # option rows have these inputs (JOINT + the name) besides the question rows' whole set
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
 # count. The products are checked at load, on this machine, for every row count a pass can
-# give them (multiples of ROW_STEP up to JOINT_TOKENS, else FIT_TOKENS), against the product of
-# that many rows; one that differs is padded to the first of FLOOR_CANDIDATES under which none
-# does. On the H200 (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384
-# rows (K 9,216), the wide ones at 0 (docs/measurements/h200-2026-12-01d)
+# give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
+# that differs is padded to the first of FLOOR_CANDIDATES under which none does. On the H200
+# (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows (K 9,216), the
+# wide ones at 0 (docs/measurements/h200-2026-12-01d). A joint pass stays within FIT_TOKENS too:
+# only the small option family joins (runtime.passes.JOINT_OPTIONS), a question part of at most
+# QUESTION_TOKENS and an option part of at most 256 slots
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
-# a joint pass holds a question pass's tokens and an option pass's: at most this many with any
-# option family, so the floors are measured up to it (on the H200 every row count from 384 to
-# 1,024 gave the bytes of 1,024 rows; docs/measurements/h200-2026-12-02). Only the small
-# family joins now (runtime.passes.JOINT_OPTIONS), whose joint passes stay within FIT_TOKENS
-JOINT_TOKENS = QUESTION_TOKENS + OPTION_TOKENS
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
 
@@ -191,7 +189,11 @@ class TorchBackend:
     modules (runtime.model)."""
 
     max_pass_tokens = None  # fla's kernels and the eager core take any length
-    joint_rows = False  # fit_rows: the products' floors hold up to a joint pass's rows
+    # a pass asked for no readout outputs reads none: the image prefix's padded readout took
+    # 0.45 ms of the H200 a request (a 128-row piece over the vocabulary; h200-2026-12-02b traces)
+    optional_readouts = True
+    joint_rows = False  # fit_rows: the products' floors hold, a joint pass's rows included
+    floor_seconds = 0.0  # fit_rows: how long measuring the floors took (part of a cold start)
     compile_modes: list[str] = []  # invariant_compilation's settings, where compiled
 
     def __init__(
@@ -220,9 +222,11 @@ class TorchBackend:
         self.compiled = cuda if compile is None else compile
         graphs = config.on(config.cuda_graphs, cuda)
         self.config = read_config(checkpoint)
+        started = time.perf_counter()
         self.language = load_language_pass(checkpoint, self.dtype).to(self.device)
         self.vision, _ = load_vision_tower(checkpoint, self.dtype)
         self.vision = self.vision.to(self.device)
+        self.weights_seconds = time.perf_counter() - started  # a cold start's parts, reported
         self.prepare_modules(cuda)
         self.rows_fit = config.fit_rows is not False and self.fit_rows()
         self.table = padded_table(self.language.embed_tokens.weight.data)
@@ -283,16 +287,15 @@ class TorchBackend:
         which its rows' bytes do not follow the row count (row_floor), the folded attention
         one shape per length (folded_attention's min_tokens), fla's one cumsum kernel that
         its autotuner keys by batch size one configuration. False, and nothing changed, when
-        some product has no such floor. The floors are measured up to a joint pass's rows
-        (JOINT_TOKENS); where that finds none, up to a fitted pass's, without joint passes."""
-        floors = row_floors(self.language, JOINT_TOKENS)
-        self.joint_rows = floors is not None
-        if floors is None:
-            floors = row_floors(self.language, FIT_TOKENS)
+        some product has no such floor. A joint pass's rows fit too (`joint_rows`)."""
+        started = time.perf_counter()
+        floors = row_floors(self.language, FIT_TOKENS)
+        self.floor_seconds = time.perf_counter() - started
         if floors is None:
             log.warning("a product has no row floor: passes keep fixed rows")
             return False
-        log.info("row floors %s, joint passes %s", floors, self.joint_rows)
+        self.joint_rows = True
+        log.info("row floors %s (%.1f s)", floors, self.floor_seconds)
         self.row_floors = floors
         for layer in self.language.layers:
             block = layer.self_attn if layer.kind == "full_attention" else layer.linear_attn
@@ -386,7 +389,8 @@ class TorchBackend:
                 out.copy_(results[name])
         else:
             results = self.slots[graph].run(signature(graph, body), body, states).outputs
-        self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
+        if any(name.removeprefix(JOINT) in READOUT_OUTPUTS for name in outputs):
+            self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
 
     def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
         """The readouts of a pass from `flat`; a joint pass's option rows' tokens follow its
