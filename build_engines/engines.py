@@ -348,6 +348,7 @@ def build_torch_artifacts(
         "files": count,
         "seconds": round(time.perf_counter() - started, 2),
         "load_seconds": round(loaded - started, 2),
+        "load_parts": executor.load_seconds,
         "weights_seconds": round(getattr(executor.backend, "weights_seconds", 0.0), 2),
         "floor_seconds": round(getattr(executor.backend, "floor_seconds", 0.0), 2),
         "warm_up_seconds": warm_seconds,

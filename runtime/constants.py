@@ -19,10 +19,12 @@ VOCABULARY = 248079  # len(tokenizer) with <|opt|>, <|/opt|> (contract.md §4.3)
 # The engine graphs (docs/design.md): the vision tower, a language-model pass that returns its
 # states, and the readout-only pass (option rows are leaves).
 GRAPHS = ("vision", "lm_state", "lm_rows")
-# The torch backend's joint pass (`lm_joint`): a question pass's inputs by their names, and an
-# option pass continuing its rows by this prefix + the names (readouts likewise)
+# The torch backend's joint pass (`lm_joint`): a question pass's inputs by their names, and each
+# option pass continuing its rows (a part) by its prefix + the names (readouts likewise), the
+# first part's JOINT (runtime.passes.JOINT_PARTS parts at most)
 JOINT_GRAPH = "lm_joint"
 JOINT = "opt."
+JOINT_PREFIXES = (JOINT, "opt1.")
 
 # dtype names as the manifests, the command line and the backends write them
 DTYPES = {

@@ -21,11 +21,12 @@ import torch
 
 from runtime.backends import Backend, choose_backend
 from runtime.config import RuntimeConfig
-from runtime.constants import IMAGE_PAD_ID, JOINT, JOINT_GRAPH, MODEL_ID
+from runtime.constants import IMAGE_PAD_ID, JOINT_GRAPH, JOINT_PREFIXES, MODEL_ID
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.manifest import verify_engine_dir
 from runtime.passes import (
+    FIT_TOKENS,
     PREFIX_STEP,
     JointPass,
     OptionPass,
@@ -108,16 +109,26 @@ class Executor:
         from runtime.heads import Heads
         from runtime.tokenizer import load_tokenizer
 
+        laps = [time.perf_counter()]
         self.export = load_export(Path(checkpoint))
+        laps.append(time.perf_counter())
         self.model_config = self.export.config
         self.dims = Dims.from_config(self.model_config)
         self.tokenizer = load_tokenizer(Path(checkpoint))
         self.heads = Heads.from_safetensors(Path(checkpoint) / "heads.safetensors")
         self.calibration = self.export.calibration
         self.config = config or RuntimeConfig.from_env()
+        laps.append(time.perf_counter())
         # nothing of the engine directory is loaded before its manifest vouches for it
         verify_engine_dir(engines, checkpoint)
+        laps.append(time.perf_counter())
         self.backend: Backend = choose_backend(Path(engines), self.config, Path(checkpoint))
+        laps.append(time.perf_counter())
+        # where a start spends its time (logged; the cold-start records keep it)
+        steps = ("export check", "tokenizer and heads", "engine check", "backend")
+        spans = zip(steps, laps, laps[1:], strict=False)  # laps has one more entry
+        self.load_seconds = {step: round(b - a, 2) for step, a, b in spans}
+        log.info("loaded in %s s", self.load_seconds)
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()
         self._pixel_table = torch.from_numpy(NORMALIZED).to(self.device)
@@ -155,7 +166,7 @@ class Executor:
         execution thread."""
         started = time.perf_counter()
         shape = self.pass_shape()
-        work = plan(prepared, *shape, joint=self.joint)
+        work = plan(prepared, *shape, joint=self.joint, joint_tokens=self.joint_tokens)
         seconds = prepared.prepare_seconds + time.perf_counter() - started
         return replace(prepared, planned=(shape, work), prepare_seconds=seconds)
 
@@ -164,6 +175,11 @@ class Executor:
         backend keeps a row's bytes whatever the row count (`rows_fit`) and not turned off."""
         fit = self.config.fit_rows is not False and self.backend.rows_fit
         return self.config.question_batch, bool(fit)
+
+    @property
+    def joint_tokens(self) -> int:
+        """The most token slots a joint pass may hold: where the backend keeps a row's bytes."""
+        return int(getattr(self.backend, "joint_tokens", FIT_TOKENS))
 
     @property
     def joint(self) -> bool:
@@ -223,7 +239,7 @@ class Executor:
         shape, planned = self.pass_shape(), prepared.planned
         work = planned[1] if planned and planned[0] == shape else None
         if work is None or work.joined != self.joint:
-            work = plan(prepared, *shape, joint=self.joint)
+            work = plan(prepared, *shape, joint=self.joint, joint_tokens=self.joint_tokens)
         clock = Stopwatch(self.stages, self.stage_sync)
         with torch.inference_mode():
             key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None
@@ -242,9 +258,9 @@ class Executor:
             asked: list[tuple[QuestionPass, dict]] = []
             answered: list[tuple[OptionPass, dict]] = []
             for jp in work.joint:
-                out, options_out = self.run_joint(jp, prefix, prefix_state)
+                out, parts_out = self.run_joint(jp, prefix, prefix_state)
                 asked.append((jp.question, out))
-                answered.append((jp.options, options_out))
+                answered.extend(zip(jp.parts, parts_out, strict=True))
                 clock.lap("options")
             for pi, qp in enumerate(work.questions):
                 out, state = self.run_question(qp, prefix, prefix_state)
@@ -560,22 +576,21 @@ class Executor:
 
     def run_joint(
         self, jp: JointPass, prefix: State, after_prefix: State
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """A joint pass: (the question rows' readouts, the option rows' readouts)."""
+    ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """A joint pass: (the question rows' readouts, each part's option rows' readouts)."""
         arrays = jp.question.rows.arrays()
-        options = jp.options.rows.arrays()
-        feeds = self.feeds(
-            {**arrays, **{JOINT + name: a for name, a in options.items()}},
-            self.dummy_features(),
-            prefix,
-            after_prefix,
-        )
-        outputs = self.outputs(jp.question.rows, arrays, with_state=False)
-        for name, tensor in self.outputs(jp.options.rows, options, with_state=False).items():
-            outputs[JOINT + name] = tensor
+        named, outputs = dict(arrays), self.outputs(jp.question.rows, arrays, with_state=False)
+        prefixes = JOINT_PREFIXES[: len(jp.parts)]
+        for prefix_name, op in zip(prefixes, jp.parts, strict=True):
+            options = op.rows.arrays()
+            named.update({prefix_name + name: a for name, a in options.items()})
+            for name, tensor in self.outputs(op.rows, options, with_state=False).items():
+                outputs[prefix_name + name] = tensor
+        feeds = self.feeds(named, self.dummy_features(), prefix, after_prefix)
         self.backend.run(JOINT_GRAPH, feeds, outputs)
-        mine = {name: outputs[name] for name in ("hidden", "logprobs")}
-        return mine, {name: outputs[JOINT + name] for name in ("hidden", "logprobs")}
+        readouts = ("hidden", "logprobs")
+        mine = {name: outputs[name] for name in readouts}
+        return mine, [{name: outputs[p + name] for name in readouts} for p in prefixes]
 
     def dummy_features(self) -> torch.Tensor:
         dtype = self._lm_dtypes["image_features"]

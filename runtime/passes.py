@@ -53,6 +53,13 @@ OPTION_FAMILIES = (
 # their products, and a question part's rows past 512 cost a tile more (255 options joined:
 # 89.6 → 94.3 ms): they stay apart.
 JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
+# A joint pass holds up to this many option passes (its parts) whose questions share a text
+# length bucket: their question rows once, their option rows each in a part of its own length.
+# The 12 speed-bench questions' options come in two length buckets (8 and 24 tokens), so they
+# took two joint passes, the second of 128 token slots bound by reading the weights (8.5 ms of
+# kernels on the H200, docs/measurements/h200-2026-12-02b). Each count of parts is a graph of
+# its own for the compiler, so the count is kept small
+JOINT_PARTS = 2
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
 # engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch
@@ -163,11 +170,17 @@ class OptionPass:
 
 @dataclass
 class JointPass:
-    """An option pass and the rows of the question pass it continues, run as one pass (the
-    torch backend's `lm_joint`); `question` holds only the questions the options read."""
+    """Option passes (its `parts`, at most JOINT_PARTS) and the rows of the questions they
+    continue, run as one pass (the torch backend's `lm_joint`); `question` holds only the
+    questions the parts read, and each part's `src` indexes its rows."""
 
     question: QuestionPass
-    options: OptionPass
+    parts: list[OptionPass]
+
+    @property
+    def tokens(self) -> int:
+        """Token slots of the pass: its products' rows."""
+        return sum(int(np.prod(p.rows.shape)) for p in (self.question, *self.parts))
 
 
 @dataclass
@@ -341,29 +354,67 @@ def plan_joint(
     options: list[OptionPass],
     question_rows: int,
     fit: bool,
+    tokens: int = FIT_TOKENS,
 ) -> list[JointPass]:
-    """Each option pass with the texts of the questions it continues, in a question part of
-    its own (the rows those questions need, as `plan_questions` sizes a pass of their length
+    """The option passes with the texts of the questions they continue, in a question part of
+    their own (the rows those questions need, as `plan_questions` sizes a pass of their length
     bucket): a question's text runs again in each joint pass that reads it, so that every
-    question row and every option row always runs in a joint pass. A question's readouts are
-    taken in the first joint pass that holds it."""
+    question row and every option row always runs in a joint pass. Consecutive option passes
+    of one question pass share a joint pass while it stays within JOINT_PARTS parts, its
+    question part's rows and `tokens` token slots. A question's readouts are taken in the first
+    joint pass that holds it."""
+    groups: list[tuple[int, list[OptionPass]]] = []  # (question pass, its option passes)
+    for op in options:
+        if groups and groups[-1][0] == op.question_pass:
+            ops = [*groups[-1][1], op]
+            merged = joint_pass(prepared, spans, questions, ops, question_rows, fit)
+            if len(merged.parts) <= JOINT_PARTS and fits(merged, question_rows, fit, tokens):
+                groups[-1][1].append(op)
+                continue
+        groups.append((op.question_pass, [op]))
     read: set[int] = set()
     joint = []
-    for op in options:
-        qp = questions[op.question_pass]
+    for _, ops in groups:
+        jp = joint_pass(prepared, spans, questions, ops, question_rows, fit, read)
+        read |= set(jp.question.members)
+        joint.append(jp)
+    return joint
+
+
+def joint_pass(
+    prepared: Prepared,
+    spans: list,
+    questions: list[QuestionPass],
+    ops: list[OptionPass],
+    question_rows: int,
+    fit: bool,
+    read: set[int] | None = None,
+) -> JointPass:
+    """One joint pass of the option passes `ops` (of one question pass): a question part with
+    the questions their rows continue, in the question pass's order, and each part's `src`
+    pointing at those rows; readouts for the questions not in `read`."""
+    qp = questions[ops[0].question_pass]
+    sources = sorted({int(s) for op in ops for s in op.rows.src[: len(op.members)]})
+    chunk = [qp.members[s] for s in sources]
+    length = qp.rows.shape[1]
+    rows = fitted_rows(len(chunk), rows_for(length, question_rows, QUESTION_TOKENS), fit)
+    new = set(chunk) - (read or set())
+    where = {s: row for row, s in enumerate(sources)}
+    parts = []
+    for op in ops:
         real = op.rows.src[: len(op.members)]
-        sources = sorted({int(s) for s in real})
-        chunk = [qp.members[s] for s in sources]
-        length = qp.rows.shape[1]
-        rows = fitted_rows(len(chunk), rows_for(length, question_rows, QUESTION_TOKENS), fit)
-        new = set(chunk) - read
-        read |= new
-        part = question_pass(prepared, spans, chunk, length, rows, new)
-        where = {s: row for row, s in enumerate(sources)}
         src = np.zeros_like(op.rows.src)
         src[: len(real)] = [where[int(s)] for s in real]
-        joint.append(JointPass(part, replace(op, rows=replace(op.rows, src=src))))
-    return joint
+        parts.append(replace(op, rows=replace(op.rows, src=src)))
+    text = question_pass(prepared, spans, chunk, length, max(rows, len(chunk)), new)
+    return JointPass(text, parts)
+
+
+def fits(jp: JointPass, question_rows: int, fit: bool, tokens: int) -> bool:
+    """Whether a joint pass stays within its question bucket's rows and `tokens` slots."""
+    length = jp.question.rows.shape[1]
+    most = rows_for(length, question_rows, QUESTION_TOKENS)
+    return len(jp.question.members) <= most and jp.tokens <= tokens
 
 
 def joins(layout: QuestionLayout) -> bool:
@@ -373,12 +424,17 @@ def joins(layout: QuestionLayout) -> bool:
 
 
 def plan(
-    prepared: Prepared, question_rows: int = QUESTION_ROWS, fit: bool = False, joint: bool = False
+    prepared: Prepared,
+    question_rows: int = QUESTION_ROWS,
+    fit: bool = False,
+    joint: bool = False,
+    joint_tokens: int = FIT_TOKENS,
 ) -> Plan:
     """The passes of a request; question passes have `question_rows` rows, option passes their
     family's (fewer for long buckets), whatever else the request asks; with `fit`, each pass
     only the rows it holds (MIN_FITTED_ROWS at least); with `joint`, the questions that `joins`
-    in joint passes, the others in question and option passes as before."""
+    in joint passes of at most `joint_tokens` token slots (where more option passes share
+    one), the others in question and option passes as before."""
     prefix, n = plan_prefix(prepared)
     layouts = prepared.layouts
     spans = [question_span(layout, n) for layout in layouts]
@@ -389,5 +445,5 @@ def plan(
     if joining:
         mine = plan_questions(prepared, spans, question_rows, fit, only=joining)
         theirs = plan_options(prepared, mine, fit)
-        work.joint = plan_joint(prepared, spans, mine, theirs, question_rows, fit)
+        work.joint = plan_joint(prepared, spans, mine, theirs, question_rows, fit, joint_tokens)
     return work

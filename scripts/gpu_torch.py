@@ -992,6 +992,11 @@ def session(final: bool) -> None:
     report["load_s"] = time.perf_counter() - started
     if isinstance(executor, dict):
         return
+    report["load_parts"] = {
+        **executor.load_seconds,
+        "weights": getattr(executor.backend, "weights_seconds", None),
+        "floors": getattr(executor.backend, "floor_seconds", None),
+    }
     report["backend"] = executor.backend.name
     report["pass_shape"] = executor.pass_shape()
     report["joint_passes"] = executor.joint

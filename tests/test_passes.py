@@ -12,6 +12,7 @@ import pytest
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from runtime.contract import compile_request
 from runtime.passes import (
+    FIT_TOKENS,
     OPTION_ROWS,
     QUESTION_ROWS,
     QUESTION_TOKENS,
@@ -197,37 +198,50 @@ def test_option_passes_are_their_rows_filled_one_by_one(tokenizer, fit):
 
 
 @pytest.mark.parametrize("fit", [False, True])
-def test_joint_passes_hold_each_option_pass_with_the_rows_it_continues(tokenizer, fit):
+@pytest.mark.parametrize("tokens", [FIT_TOKENS, 768])
+def test_joint_passes_hold_option_passes_with_the_rows_they_continue(tokenizer, fit, tokens):
     """plan(joint=True): the questions with at most JOINT_OPTIONS options (their own count)
-    run in joint passes, each option pass with a question part of exactly the questions its
-    rows continue (`src` pointing at the same question), sized as a question pass of that
-    bucket; the others in question and option passes as before. Every option row once, every
-    question's readouts once."""
-    from runtime.passes import JOINT_OPTIONS, fitted_rows, question_span
+    run in joint passes: up to JOINT_PARTS option passes of one question pass, with a question
+    part of exactly the questions their rows continue (`src` pointing at the same question),
+    sized as a question pass of that bucket, within `joint_tokens` slots; the others in question
+    and option passes as before. Every option row once, every question's readouts once."""
+    from runtime.passes import (
+        JOINT_OPTIONS,
+        JOINT_PARTS,
+        fits,
+        fitted_rows,
+        joint_pass,
+        plan_options,
+        plan_questions,
+        question_span,
+    )
 
     questions = {**QUESTIONS, "wide": choice_with(70)["wide"]}
     request = compile_request(parse_body(request_body(IMAGE, questions)))
     prepared = prepare(request, tokenizer)
     layouts = prepared.layouts
-    work = plan(prepared, QUESTION_ROWS, fit, joint=True)
+    work = plan(prepared, QUESTION_ROWS, fit, joint=True, joint_tokens=tokens)
     assert work.joined and work.joint and work.questions
     joining = {qi for qi, layout in enumerate(layouts) if len(layout.opens) <= JOINT_OPTIONS}
     assert {qi for qp in work.questions for qi in qp.members} == set(range(len(layouts))) - joining
-    rows = [m for jp in work.joint for m in jp.options.members]
+    rows = [m for jp in work.joint for op in jp.parts for m in op.members]
     rows += [m for op in work.options for m in op.members]
     assert sorted(rows) == sorted((qi, k) for qi, lay in enumerate(layouts)
                                   for k in range(len(lay.opens)))  # fmt: skip
     read = [qi for qp in work.questions for qi in qp.zq_read]
     for jp in work.joint:
-        part, options = jp.question, jp.options
-        real = len(options.members)
-        assert sorted(part.members) == sorted({qi for qi, _ in options.members})
+        part = jp.question
+        assert 1 <= len(jp.parts) <= JOINT_PARTS and jp.tokens <= tokens
+        members = [m for op in jp.parts for m in op.members]
+        assert sorted(part.members) == sorted({qi for qi, _ in members})
         assert set(part.members) <= joining
-        for row, (qi, _) in enumerate(options.members):
-            assert part.members[options.rows.src[row]] == qi
+        for op in jp.parts:
+            assert op.members
+            for row, (qi, _) in enumerate(op.members):
+                assert part.members[op.rows.src[row]] == qi
         length = part.rows.shape[1]
         size = rows_for(length, QUESTION_ROWS, QUESTION_TOKENS)
-        assert part.rows.shape[0] == fitted_rows(len(part.members), size, fit) and real
+        assert part.rows.shape[0] == fitted_rows(len(part.members), size, fit)
         for row, qi in enumerate(part.members):
             ids, positions = question_span(layouts[qi], work.prefix_length)
             assert part.rows.input_ids[row, : len(ids)].tolist() == ids
@@ -238,5 +252,19 @@ def test_joint_passes_hold_each_option_pass_with_the_rows_it_continues(tokenizer
         assert {qi for qi, _ in part.first_read} <= set(part.zq_read)
         read += list(part.zq_read)
     assert sorted(read) == list(range(len(layouts)))
+    # the joint passes hold the option passes' own, and share a pass wherever they fit
+    spans = [question_span(layout, work.prefix_length) for layout in layouts]
+    mine = plan_questions(prepared, spans, QUESTION_ROWS, fit, only=joining)
+    option_passes = plan_options(prepared, mine, fit)
+    assert [op.members for jp in work.joint for op in jp.parts] == [
+        op.members for op in option_passes
+    ]
+    for a, b in zip(work.joint, work.joint[1:], strict=False):
+        if a.parts[-1].question_pass == b.parts[0].question_pass:
+            merged = joint_pass(prepared, spans, mine, [*a.parts, b.parts[0]], QUESTION_ROWS, fit)
+            assert len(merged.parts) > JOINT_PARTS or not fits(merged, QUESTION_ROWS, fit, tokens)
+    shared = [jp for jp in work.joint if len(jp.parts) > 1]
+    if tokens > FIT_TOKENS and fit:  # the speed bench's options come in two length buckets
+        assert shared
     apart = plan(prepared, QUESTION_ROWS, fit)
     assert apart.joint == [] and not apart.joined

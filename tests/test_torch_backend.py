@@ -154,10 +154,11 @@ def test_a_pass_that_reads_nothing_runs_no_readout(executor, monkeypatch):
 
 @pytest.mark.parametrize("duck", [False, True])
 def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck):
-    """With `invariant_compilation` (no duck sizing) each joint block traces to one graph for
-    every request's row counts, so a question's rows never run in a graph of their own because
-    of the other questions (on the GPU each graph picks its own reduction configurations, and
-    with them a row's bytes); with duck sizing the same requests make more graphs."""
+    """With `invariant_compilation` (no duck sizing) each joint block traces to one graph per
+    count of parts for every request's row counts, so a question's rows never run in a graph
+    of their own because of the other questions (on the GPU each graph picks its own
+    reduction configurations, and with them a row's bytes); with duck sizing the same
+    requests make more graphs."""
     import torch.fx.experimental._config as shapes
 
     from runtime.backends.compiled import invariant_compilation
@@ -178,17 +179,24 @@ def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck):
     joint = {name: counted(name) for name in JOINT_BLOCKS}
     backend.functions = {**kept, "lm_joint": partial(joint_body, backend.language, blocks=joint)}
     image = pattern_png(96, 64)
+    bodies = [
+        json.dumps(executor.warm_up_request()).encode(),
+        *(request_body(image, speed_bench_questions(n), "image/png") for n in (3, 12)),
+    ]
+    parts = set()
     try:
         with shapes.patch(use_duck_shape=duck):
-            executor.answer(json.dumps(executor.warm_up_request()).encode())
-            executor.answer(request_body(image, speed_bench_questions(3), "image/png"))
+            for body in bodies:
+                prepared = executor.prepare(json.loads(body))
+                parts |= {len(jp.parts) for jp in prepared.planned[1].joint}
+                executor.execute(prepared)
     finally:
         backend.functions = kept
-    assert set(graphs) == set(JOINT_BLOCKS)
+    assert set(graphs) == set(JOINT_BLOCKS) and parts == {1, 2}
     if duck:
-        assert sum(graphs.values()) > len(JOINT_BLOCKS), graphs
+        assert sum(graphs.values()) > len(JOINT_BLOCKS) * len(parts), graphs
     else:
-        assert graphs == dict.fromkeys(JOINT_BLOCKS, 1)
+        assert graphs == dict.fromkeys(JOINT_BLOCKS, len(parts))
 
 
 @pytest.mark.parametrize("p, own", [(7, 6), (8, 16), (1, 641)])
@@ -240,12 +248,13 @@ def test_a_row_floor_pads_the_product_and_gives_the_rows_their_bytes():
 def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     """The CPU engine's products pass the row check, so its passes are sized to the request;
     the invariance test above then runs fitted passes of every row count."""
-    from runtime.backends.compiled import product_weights
+    from runtime.backends.compiled import JOINT_TOKENS, product_weights
     from runtime.passes import MIN_FITTED_ROWS, QUESTION_ROWS, plan
 
     backend = executor.backend
     assert backend.rows_fit and executor.pass_shape() == (QUESTION_ROWS, True)
     assert set(backend.row_floors) == {tuple(w.shape) for w in product_weights(backend.language)}
+    assert backend.joint_tokens == JOINT_TOKENS  # two option passes may share a joint pass
     prepared = executor.prepare(
         json.loads(request_body(pattern_png(64, 64), speed_bench_questions(1), "image/png"))
     )
@@ -254,7 +263,8 @@ def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     assert executor.joint and work.joined and work.questions == work.options == []
     assert {jp.question.rows.shape[0] for jp in work.joint} == {MIN_FITTED_ROWS}
     options = len(prepared.layouts[0].opens)
-    assert sum(jp.options.rows.shape[0] for jp in work.joint) < 2 * max(options, MIN_FITTED_ROWS)
+    fitted = sum(op.rows.shape[0] for jp in work.joint for op in jp.parts)
+    assert fitted < 2 * max(options, MIN_FITTED_ROWS)
     apart = plan(prepared, *executor.pass_shape())
     assert [qp.rows.shape[0] for qp in apart.questions] == [MIN_FITTED_ROWS]
     kept = executor.config

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
-from runtime.constants import DTYPES, JOINT, JOINT_GRAPH
+from runtime.constants import DTYPES, JOINT_GRAPH, JOINT_PREFIXES
 from runtime.model.language import (
     BLOCKS,
     JOINT_BLOCKS,
@@ -34,7 +34,7 @@ from runtime.model.language import (
     pass_body,
 )
 from runtime.model.layers import product
-from runtime.passes import FIT_TOKENS
+from runtime.passes import FIT_TOKENS, JOINT_PARTS, OPTION_FAMILIES, QUESTION_TOKENS
 
 log = logging.getLogger("omnijev.torch")
 
@@ -66,10 +66,13 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a 
 # give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
 # that differs is padded to the first of FLOOR_CANDIDATES under which none does. On the H200
 # (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows (K 9,216), the
-# wide ones at 0 (docs/measurements/h200-2026-12-01d). A joint pass stays within FIT_TOKENS too:
-# only the small option family joins (runtime.passes.JOINT_OPTIONS), a question part of at most
-# QUESTION_TOKENS and an option part of at most 256 slots
+# wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
+# a joint pass holds a question part and JOINT_PARTS option passes of the small family that
+# joins (runtime.passes.JOINT_OPTIONS): the floors are measured up to that many rows, and where
+# they hold only up to FIT_TOKENS, joint passes stay within FIT_TOKENS (on the H200 every row
+# count from 384 to 1,024 gave the bytes of 1,024 rows; docs/measurements/h200-2026-12-02)
+JOINT_TOKENS = QUESTION_TOKENS + JOINT_PARTS * OPTION_FAMILIES[0][2]
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
 
@@ -193,6 +196,7 @@ class TorchBackend:
     # 0.45 ms of the H200 a request (a 128-row piece over the vocabulary; h200-2026-12-02b traces)
     optional_readouts = True
     joint_rows = False  # fit_rows: the products' floors hold, a joint pass's rows included
+    joint_tokens = FIT_TOKENS  # fit_rows: the most token slots a joint pass may hold
     floor_seconds = 0.0  # fit_rows: how long measuring the floors took (part of a cold start)
     compile_modes: list[str] = []  # invariant_compilation's settings, where compiled
 
@@ -287,15 +291,19 @@ class TorchBackend:
         which its rows' bytes do not follow the row count (row_floor), the folded attention
         one shape per length (folded_attention's min_tokens), fla's one cumsum kernel that
         its autotuner keys by batch size one configuration. False, and nothing changed, when
-        some product has no such floor. A joint pass's rows fit too (`joint_rows`)."""
+        some product has no such floor. Joint passes may hold as many rows as the floors were
+        measured for (`joint_tokens`): JOINT_TOKENS, else FIT_TOKENS."""
         started = time.perf_counter()
-        floors = row_floors(self.language, FIT_TOKENS)
+        for tokens in (JOINT_TOKENS, FIT_TOKENS):
+            floors = row_floors(self.language, tokens)
+            if floors is not None:
+                break
         self.floor_seconds = time.perf_counter() - started
         if floors is None:
             log.warning("a product has no row floor: passes keep fixed rows")
             return False
-        self.joint_rows = True
-        log.info("row floors %s (%.1f s)", floors, self.floor_seconds)
+        self.joint_rows, self.joint_tokens = True, tokens
+        log.info("row floors %s up to %d rows (%.1f s)", floors, tokens, self.floor_seconds)
         self.row_floors = floors
         for layer in self.language.layers:
             block = layer.self_attn if layer.kind == "full_attention" else layer.linear_attn
@@ -353,7 +361,8 @@ class TorchBackend:
             else:
                 dtypes[name] = torch.int64
         if graph == JOINT_GRAPH:
-            dtypes.update({JOINT + name: torch.int64 for name in ROW_INPUTS})
+            for prefix in JOINT_PREFIXES:
+                dtypes.update({prefix + name: torch.int64 for name in ROW_INPUTS})
         return dtypes
 
     # -- the contract -----------------------------------------------------------------------
@@ -368,7 +377,8 @@ class TorchBackend:
         if graph == "vision":
             return ["image_features"]
         if graph == JOINT_GRAPH:
-            return [*READOUT_OUTPUTS, *(JOINT + name for name in READOUT_OUTPUTS)]
+            parts = (p + name for p in JOINT_PREFIXES for name in READOUT_OUTPUTS)
+            return [*READOUT_OUTPUTS, *parts]
         return lm_output_names(self.config, graph == "lm_state")
 
     def run(
@@ -381,23 +391,25 @@ class TorchBackend:
             else:
                 self.slots[graph].run(signature(graph, feeds), feeds, outputs)
             return
-        body = {n: t for n, t in feeds.items() if n.removeprefix(JOINT) not in READOUT_INPUTS}
-        states = {n: t for n, t in outputs.items() if n.removeprefix(JOINT) not in READOUT_OUTPUTS}
+        body = {n: t for n, t in feeds.items() if unprefixed(n) not in READOUT_INPUTS}
+        states = {n: t for n, t in outputs.items() if unprefixed(n) not in READOUT_OUTPUTS}
         if self.device.type != "cuda":
             results = self.compute(graph, body)
             for name, out in states.items():
                 out.copy_(results[name])
         else:
             results = self.slots[graph].run(signature(graph, body), body, states).outputs
-        if any(name.removeprefix(JOINT) in READOUT_OUTPUTS for name in outputs):
+        if any(unprefixed(name) in READOUT_OUTPUTS for name in outputs):
             self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
 
     def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
-        """The readouts of a pass from `flat`; a joint pass's option rows' tokens follow its
-        question rows' there, and both parts' log-probabilities come from one `readout`."""
-        parts = [("", 0)]
-        if joint:
-            parts.append((JOINT, feeds["input_ids"].numel()))
+        """The readouts of a pass from `flat`; a joint pass's parts' tokens follow its question
+        rows' there, in order, and every part's log-probabilities come from one `readout`."""
+        parts, start = [("", 0)], feeds["input_ids"].numel()
+        for prefix in JOINT_PREFIXES if joint else ():
+            if prefix + "input_ids" in feeds:
+                parts.append((prefix, start))
+                start += feeds[prefix + "input_ids"].numel()
         for prefix, start in parts:
             outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + start])
         rows = torch.cat([feeds[prefix + "target_rows"] + start for prefix, start in parts])
@@ -486,6 +498,14 @@ class TorchBackend:
             for at in range(0, count + pad, READOUT_PIECE)
         ]
         return torch.cat(pieces)[:count]
+
+
+def unprefixed(name: str) -> str:
+    """A feed's or output's name without its joint part's prefix."""
+    for prefix in JOINT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 def product_weights(language) -> list[torch.Tensor]:

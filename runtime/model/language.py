@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.readout import token_logprobs
-from runtime.constants import JOINT
+from runtime.constants import JOINT_PREFIXES
 from runtime.model.gdn import CORES, GDN_VARIANTS, l2norm
 from runtime.model.layers import (
     MASKED,
@@ -615,46 +615,52 @@ def part(x: torch.Tensor, start, rows: int, tokens: int) -> torch.Tensor:
     return x[start : start + rows * tokens].reshape(rows, tokens, *x.shape[1:])
 
 
-def joint_attention_block(
-    layer, h, cos_q, sin_q, mask_q, cos_o, sin_o, mask_o, prefix_k, prefix_v, src_k, src_v, src
-):
+def joint_attention_block(layer, h, cos_q, sin_q, mask_q, parts, prefix_k, prefix_v, src_k, src_v):
     """One attention decoder layer of `joint_body` over the flat tokens h [Nq + No, D]: the
-    question rows as `attention_block` would run them, then the option rows, whose past is
-    their question row's keys and values of this very layer; the products over all tokens."""
+    question rows as `attention_block` would run them, then each part's option rows (`parts`:
+    cos, sin, mask and src of each), whose past is their question row's keys and values of
+    this very layer; the products over all tokens."""
     attn = layer.self_attn
-    (bq, tq), (bo, to) = cos_q.shape[:2], cos_o.shape[:2]
-    nq = bq * tq
+    bq, tq = cos_q.shape[:2]
     q, gate, k, v = attn.project(layer.input_layernorm(h))
     mine = [part(x, 0, bq, tq) for x in (q, k, v)]
     out_q, k_q, v_q = attn.mix(*mine, cos_q, sin_q, mask_q, prefix_k, prefix_v, src_k, src_v)
-    theirs = [part(x, nq, bo, to) for x in (q, k, v)]
-    out_o, _, _ = attn.mix(
-        *theirs, cos_o, sin_o, mask_o, prefix_k, prefix_v, per_row(k_q, src, bo),
-        per_row(v_q, src, bo),
-    )  # fmt: skip
-    h = h + attn.output(torch.cat([out_q.flatten(0, 1), out_o.flatten(0, 1)]), gate)
+    outs, at = [out_q.flatten(0, 1)], bq * tq
+    for cos_o, sin_o, mask_o, src in parts:
+        bo, to = cos_o.shape[:2]
+        theirs = [part(x, at, bo, to) for x in (q, k, v)]
+        out_o, _, _ = attn.mix(
+            *theirs, cos_o, sin_o, mask_o, prefix_k, prefix_v, per_row(k_q, src, bo),
+            per_row(v_q, src, bo),
+        )  # fmt: skip
+        outs.append(out_o.flatten(0, 1))
+        at = at + bo * to
+    h = h + attn.output(torch.cat(outs), gate)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def joint_delta_block(
-    layer, h, valid_q, lengths_q, valid_o, lengths_o, conv_past, rec_past, src_q, src_o
-):
+def joint_delta_block(layer, h, valid_q, lengths_q, parts, conv_past, rec_past, src_q):
     """One Gated DeltaNet decoder layer of `joint_body`: the question rows carry their sources'
-    states on (`delta_block`), the option rows continue their question row's states of this
-    very layer (`src_o`); the products over all tokens."""
+    states on (`delta_block`), each part's option rows (`parts`: valid, lengths and src of
+    each) continue their question row's states of this very layer; the products over all
+    tokens."""
     delta = layer.linear_attn
-    (bq, tq), (bo, to) = valid_q.shape, valid_o.shape
-    nq = bq * tq
+    bq, tq = valid_q.shape
     projected = delta.project(layer.input_layernorm(h))
     y_q, conv, rec = delta.mix(
         *(part(x, 0, bq, tq) for x in projected), valid_q, lengths_q, conv_past, rec_past,
         True, src_q,
     )  # fmt: skip
-    y_o, _, _ = delta.mix(
-        *(part(x, nq, bo, to) for x in projected), valid_o, lengths_o, per_row(conv, src_o, bo),
-        rec, False, src_o,
-    )  # fmt: skip
-    h = h + delta.output(torch.cat([y_q.flatten(0, 1), y_o.flatten(0, 1)]))
+    ys, at = [y_q.flatten(0, 1)], bq * tq
+    for valid_o, lengths_o, src_o in parts:
+        bo, to = valid_o.shape
+        y_o, _, _ = delta.mix(
+            *(part(x, at, bo, to) for x in projected), valid_o, lengths_o,
+            per_row(conv, src_o, bo), rec, False, src_o,
+        )  # fmt: skip
+        ys.append(y_o.flatten(0, 1))
+        at = at + bo * to
+    h = h + delta.output(torch.cat(ys))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
@@ -664,35 +670,43 @@ JOINT_BLOCKS = {"attention": joint_attention_block, "delta": joint_delta_block}
 def joint_body(
     module: LanguagePass, feeds: dict, blocks: dict | None = None
 ) -> dict[str, torch.Tensor]:
-    """A question pass and an option pass over its rows as one pass (the torch backend's
-    `lm_joint`): the question rows (the graph's names) continue the image prefix, the option
-    rows (`JOINT` + the names; `opt.src` indexes the question rows) continue the question rows
-    layer by layer. Every row gets the arithmetic of its own pass (`pass_body`); the products
-    run once over both parts' tokens, so the weights are read once for both. Returns `flat`
-    [Nq + No, D] after the final norm, the question rows' tokens first."""
+    """A question pass and the option passes over its rows (its parts) as one pass (the torch
+    backend's `lm_joint`): the question rows (the graph's names) continue the image prefix,
+    each part's option rows (a JOINT_PREFIXES prefix + the names; its `src` indexes the
+    question rows) continue the question rows layer by layer. Every row gets the arithmetic of
+    its own pass (`pass_body`); the products run once over all the parts' tokens, so the
+    weights are read once for all. Returns `flat` [Nq + No, D] after the final norm, the
+    question rows' tokens first, then each part's in order."""
     blocks = blocks or JOINT_BLOCKS
     src = feeds["src"]
     h_q, cos_q, sin_q, valid_q, own_q = rows_inputs(module, feeds, "")
-    h_o, cos_o, sin_o, valid_o, own_o = rows_inputs(module, feeds, JOINT)
-    opt_src = feeds[JOINT + "src"]
     bq = valid_q.shape[0]
     mask_q = rows_mask(feeds["prefix_mask"], per_row(feeds["src_mask"], src, bq), own_q)
-    mask_o = rows_mask(feeds["prefix_mask"], valid_q[opt_src], own_o)
-    h = torch.cat([h_q.flatten(0, 1), h_o.flatten(0, 1)])
+    rows, attending, carrying = [h_q.flatten(0, 1)], [], []
+    for prefix in JOINT_PREFIXES:
+        if prefix + "input_ids" not in feeds:
+            break
+        h_o, cos_o, sin_o, valid_o, own_o = rows_inputs(module, feeds, prefix)
+        opt_src = feeds[prefix + "src"]
+        rows.append(h_o.flatten(0, 1))
+        attending.append(
+            (cos_o, sin_o, rows_mask(feeds["prefix_mask"], valid_q[opt_src], own_o), opt_src)
+        )
+        carrying.append((valid_o, feeds[prefix + "lengths"], opt_src))
+    h = torch.cat(rows)
     i = j = 0
     for layer in module.layers:
         if layer.kind == "full_attention":
             h = blocks["attention"](
-                layer, h, cos_q, sin_q, mask_q, cos_o, sin_o, mask_o,
+                layer, h, cos_q, sin_q, mask_q, attending,
                 feeds[f"prefix_k.{i}"], feeds[f"prefix_v.{i}"],
                 per_row(feeds[f"src_k.{i}"], src, bq), per_row(feeds[f"src_v.{i}"], src, bq),
-                opt_src,
             )  # fmt: skip
             i += 1
         else:
             h = blocks["delta"](
-                layer, h, valid_q, feeds["lengths"], valid_o, feeds[JOINT + "lengths"],
-                per_row(feeds[f"src_conv.{j}"], src, bq), feeds[f"src_rec.{j}"], src, opt_src,
+                layer, h, valid_q, feeds["lengths"], carrying,
+                per_row(feeds[f"src_conv.{j}"], src, bq), feeds[f"src_rec.{j}"], src,
             )  # fmt: skip
             j += 1
     return {"flat": module.norm(h)}
