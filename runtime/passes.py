@@ -53,13 +53,15 @@ OPTION_FAMILIES = (
 # their products, and a question part's rows past 512 cost a tile more (255 options joined:
 # 89.6 → 94.3 ms): they stay apart.
 JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
-# A joint pass holds up to this many option passes (its parts) whose questions share a text
+# A joint pass may hold up to this many option passes (its parts) whose questions share a text
 # length bucket: their question rows once, their option rows each in a part of its own length.
-# The 12 speed-bench questions' options come in two length buckets (8 and 24 tokens), so they
-# took two joint passes, the second of 128 token slots bound by reading the weights (8.5 ms of
-# kernels on the H200, docs/measurements/h200-2026-12-02b). Each count of parts is a graph of
-# its own for the compiler, so the count is kept small
-JOINT_PARTS = 2
+# Two parts took the 12 speed-bench questions (options of 8 and of 24 tokens) from two joint
+# passes to one: 46.1 → 40.9 ms of GPU stages on the H200. But a pass of one part and a pass of
+# two are separate compiled graphs, and a question asked alone then differed from the same
+# question asked with others by up to 0.029 in BF16 (docs/measurements/h200-2026-12-02c): the
+# graphs' fused kernels round their intermediates differently. So one part, until the two
+# graphs give a row the same bytes
+JOINT_PARTS = 1
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
 # engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch

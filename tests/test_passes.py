@@ -199,15 +199,18 @@ def test_option_passes_are_their_rows_filled_one_by_one(tokenizer, fit):
 
 @pytest.mark.parametrize("fit", [False, True])
 @pytest.mark.parametrize("tokens", [FIT_TOKENS, 768])
-def test_joint_passes_hold_option_passes_with_the_rows_they_continue(tokenizer, fit, tokens):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
+    tokenizer, fit, tokens, parts, monkeypatch
+):
     """plan(joint=True): the questions with at most JOINT_OPTIONS options (their own count)
     run in joint passes: up to JOINT_PARTS option passes of one question pass, with a question
     part of exactly the questions their rows continue (`src` pointing at the same question),
     sized as a question pass of that bucket, within `joint_tokens` slots; the others in question
     and option passes as before. Every option row once, every question's readouts once."""
+    from runtime import passes
     from runtime.passes import (
         JOINT_OPTIONS,
-        JOINT_PARTS,
         fits,
         fitted_rows,
         joint_pass,
@@ -216,6 +219,7 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(tokenizer, 
         question_span,
     )
 
+    monkeypatch.setattr(passes, "JOINT_PARTS", parts)
     questions = {**QUESTIONS, "wide": choice_with(70)["wide"]}
     request = compile_request(parse_body(request_body(IMAGE, questions)))
     prepared = prepare(request, tokenizer)
@@ -231,7 +235,7 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(tokenizer, 
     read = [qi for qp in work.questions for qi in qp.zq_read]
     for jp in work.joint:
         part = jp.question
-        assert 1 <= len(jp.parts) <= JOINT_PARTS and jp.tokens <= tokens
+        assert 1 <= len(jp.parts) <= parts and jp.tokens <= tokens
         members = [m for op in jp.parts for m in op.members]
         assert sorted(part.members) == sorted({qi for qi, _ in members})
         assert set(part.members) <= joining
@@ -262,9 +266,11 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(tokenizer, 
     for a, b in zip(work.joint, work.joint[1:], strict=False):
         if a.parts[-1].question_pass == b.parts[0].question_pass:
             merged = joint_pass(prepared, spans, mine, [*a.parts, b.parts[0]], QUESTION_ROWS, fit)
-            assert len(merged.parts) > JOINT_PARTS or not fits(merged, QUESTION_ROWS, fit, tokens)
+            assert len(merged.parts) > parts or not fits(merged, QUESTION_ROWS, fit, tokens)
     shared = [jp for jp in work.joint if len(jp.parts) > 1]
-    if tokens > FIT_TOKENS and fit:  # the speed bench's options come in two length buckets
+    if tokens > FIT_TOKENS and fit and parts > 1:  # the speed bench's options: two buckets
         assert shared
+    elif parts == 1:
+        assert not shared
     apart = plan(prepared, QUESTION_ROWS, fit)
     assert apart.joint == [] and not apart.joined

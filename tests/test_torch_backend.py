@@ -101,12 +101,18 @@ def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
         assert json.dumps(backwards[qid]) == json.dumps(together[qid]), qid
 
 
-def test_joint_passes_give_the_readouts_of_separate_passes(executor):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_joint_passes_give_the_readouts_of_separate_passes(executor, parts, monkeypatch):
     """A question pass and its option passes run as joint passes (one product per layer over
-    both): every readout is the separate passes' (float32 on the CPU, within its rounding)."""
+    all of them, up to `parts` option passes in one): every readout is the separate passes'
+    (float32 on the CPU, within its rounding)."""
+    from runtime import passes
+
+    monkeypatch.setattr(passes, "JOINT_PARTS", parts)
     request = json.loads(request_body(pattern_png(320, 224), gate_questions(), "image/png"))
     prepared = executor.prepare(request)
     assert executor.joint and prepared.planned[1].joint
+    assert max(len(jp.parts) for jp in prepared.planned[1].joint) == parts
     joint = executor.readouts(prepared)
     kept = executor.config
     try:
@@ -153,7 +159,7 @@ def test_a_pass_that_reads_nothing_runs_no_readout(executor, monkeypatch):
 
 
 @pytest.mark.parametrize("duck", [False, True])
-def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck):
+def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck, monkeypatch):
     """With `invariant_compilation` (no duck sizing) each joint block traces to one graph per
     count of parts for every request's row counts, so a question's rows never run in a graph
     of their own because of the other questions (on the GPU each graph picks its own
@@ -161,9 +167,11 @@ def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck):
     requests make more graphs."""
     import torch.fx.experimental._config as shapes
 
+    from runtime import passes
     from runtime.backends.compiled import invariant_compilation
     from runtime.model.language import JOINT_BLOCKS, joint_body
 
+    monkeypatch.setattr(passes, "JOINT_PARTS", 2)  # the graphs of each count of parts
     invariant_compilation()
     graphs: dict[str, int] = {}
 

@@ -34,7 +34,7 @@ from runtime.model.language import (
     pass_body,
 )
 from runtime.model.layers import product
-from runtime.passes import FIT_TOKENS, JOINT_PARTS, OPTION_FAMILIES, QUESTION_TOKENS
+from runtime.passes import FIT_TOKENS, OPTION_FAMILIES, QUESTION_TOKENS
 
 log = logging.getLogger("omnijev.torch")
 
@@ -68,11 +68,12 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a 
 # (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows (K 9,216), the
 # wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
-# a joint pass holds a question part and JOINT_PARTS option passes of the small family that
-# joins (runtime.passes.JOINT_OPTIONS): the floors are measured up to that many rows, and where
-# they hold only up to FIT_TOKENS, joint passes stay within FIT_TOKENS (on the H200 every row
-# count from 384 to 1,024 gave the bytes of 1,024 rows; docs/measurements/h200-2026-12-02)
-JOINT_TOKENS = QUESTION_TOKENS + JOINT_PARTS * OPTION_FAMILIES[0][2]
+# a joint pass holds a question part and up to two option passes (runtime.passes.JOINT_PARTS)
+# of the small family that joins (runtime.passes.JOINT_OPTIONS): the floors are measured up to
+# that many rows, and where they hold only up to FIT_TOKENS, joint passes stay within
+# FIT_TOKENS (on the H200 every row count from 384 to 1,024 gave the bytes of 1,024 rows;
+# docs/measurements/h200-2026-12-02)
+JOINT_TOKENS = QUESTION_TOKENS + 2 * OPTION_FAMILIES[0][2]
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
 
