@@ -802,10 +802,12 @@ def parity_float32() -> dict:
     executor = executor_for(run)
     report = bench.parity(executor, Recorded(recorded), bench.question_sets())
     log("parity float32\n" + bench.parity_table(report))
+    joint = {"joint_passes": executor.joint, "joint_tokens": executor.joint_tokens}
+    log(f"parity float32 ran {joint}")
     del executor
     gc.collect()
     torch.cuda.empty_cache()
-    return {"summary": report["summary"], "flips": report["flips"], "backend": run}
+    return {"summary": report["summary"], "flips": report["flips"], "backend": run, **joint}
 
 
 def reference_latency(workloads: dict) -> list[dict]:
