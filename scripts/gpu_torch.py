@@ -11,6 +11,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py waits --tiny   # where the host waits for the device
     python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
     python scripts/gpu_torch.py parity     # build when missing; float32 parity alone
+    python scripts/gpu_torch.py parts [--emulate-casts]   # two-part joint passes: invariance,
+                                           # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
 `cold --only-without` runs the start without caches alone, `cold --only-with` the start with
@@ -1068,6 +1070,34 @@ def waits_session() -> None:
     save("waits.json", report)
 
 
+def parts_session() -> None:
+    """Two-part joint passes (runtime.passes.JOINT_PARTS = 2) alone: invariance, then the GPU
+    stages of 1 and 12 questions; `--emulate-casts` compiles with Inductor's
+    emulate_precision_casts (every BF16 rounding of eager PyTorch kept, whatever is fused), the
+    candidate that would give one-part and two-part graphs a row's same bytes."""
+    import torch._inductor.config as inductor
+
+    from runtime import passes
+
+    use_cache_dirs()
+    report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
+    passes.JOINT_PARTS = 2
+    report["emulate_casts"] = inductor.emulate_precision_casts = "--emulate-casts" in sys.argv
+    attempt(report, "build", build)
+    executor = attempt(report, "load", executor_for, Run("bf16"))
+    if isinstance(executor, dict):
+        save("parts.json", report)
+        return
+    report["joint_tokens"] = executor.joint_tokens
+    attempt(report, "invariance", invariance, executor)
+    save("parts.json", report)  # kept if the stages below run past the call's limit
+    workloads = prepared_workloads(executor)
+    chosen = {name: workloads[name] for name in ("1 question", "12 questions")}
+    attempt(report, "gpu_stages", gpu_stages, executor, chosen)
+    save("parts.json", report)
+    summarise(report)
+
+
 def parity_session() -> None:
     """Float32 parity alone, on a cold machine too: the export is built first when missing."""
     report = {"environment": environment()}
@@ -1209,5 +1239,7 @@ if __name__ == "__main__":
         serve_session()
     elif mode == "waits":
         waits_session()
+    elif mode == "parts":
+        parts_session()
     else:
         session(final=mode == "final")
