@@ -367,11 +367,11 @@ def plan_joint(
     joint pass that holds it."""
     groups: list[tuple[int, list[OptionPass]]] = []  # (question pass, its option passes)
     for op in options:
-        if groups and groups[-1][0] == op.question_pass:
-            ops = [*groups[-1][1], op]
-            merged = joint_pass(prepared, spans, questions, ops, question_rows, fit)
-            if len(merged.parts) <= JOINT_PARTS and fits(merged, question_rows, fit, tokens):
-                groups[-1][1].append(op)
+        last = groups[-1] if groups else None
+        if last and last[0] == op.question_pass and len(last[1]) < JOINT_PARTS:
+            merged = joint_pass(prepared, spans, questions, [*last[1], op], question_rows, fit)
+            if fits(merged, question_rows, tokens):
+                last[1].append(op)
                 continue
         groups.append((op.question_pass, [op]))
     read: set[int] = set()
@@ -412,7 +412,7 @@ def joint_pass(
     return JointPass(text, parts)
 
 
-def fits(jp: JointPass, question_rows: int, fit: bool, tokens: int) -> bool:
+def fits(jp: JointPass, question_rows: int, tokens: int) -> bool:
     """Whether a joint pass stays within its question bucket's rows and `tokens` slots."""
     length = jp.question.rows.shape[1]
     most = rows_for(length, question_rows, QUESTION_TOKENS)

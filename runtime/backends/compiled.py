@@ -60,7 +60,8 @@ VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made
 READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens")
 READOUT_OUTPUTS = ("hidden", "logprobs")
 ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a joint pass's
-# option rows have these inputs (JOINT + the name) besides the question rows' whole set
+# parts' option rows have these inputs (a JOINT_PREFIXES prefix + the name) besides the
+# question rows' whole set
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
 # count. The products are checked at load, on this machine, for every row count a pass can
 # give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
@@ -193,8 +194,9 @@ class TorchBackend:
     modules (runtime.model)."""
 
     max_pass_tokens = None  # fla's kernels and the eager core take any length
-    # a pass asked for no readout outputs reads none: the image prefix's padded readout took
-    # 0.45 ms of the H200 a request (a 128-row piece over the vocabulary; h200-2026-12-02b traces)
+    # a pass asked for no readout outputs reads none: the image prefix's padded readout (a
+    # 128-row piece over the vocabulary) took 0.37 ms of its kernels on the H200
+    # (docs/measurements/h200-2026-12-02c)
     optional_readouts = True
     joint_rows = False  # fit_rows: the products' floors hold, a joint pass's rows included
     joint_tokens = FIT_TOKENS  # fit_rows: the most token slots a joint pass may hold
