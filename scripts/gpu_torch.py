@@ -15,7 +15,9 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
                                            # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
-`cold --only-without` runs the start without caches alone, `cold --only-with` the start with
+`--floors-in-op` pads products to their row floors inside an op (runtime.model.layers.
+FLOORS_IN_OP), for its cold start and latency; `cold --only-without` runs the start without
+caches alone, `cold --only-with` the start with
 the caches a previous call left (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
@@ -117,10 +119,22 @@ def save(name: str, value) -> None:
 def environment() -> dict:
     import torch
 
+    from runtime import passes
     from runtime.backends.compiled import versions
+    from runtime.model import layers
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return {"gpu": gpu, "versions": versions()}
+    settings = {"floors_in_op": layers.FLOORS_IN_OP, "joint_parts": passes.JOINT_PARTS}
+    return {"gpu": gpu, "versions": versions(), **settings}
+
+
+def apply_flags() -> None:
+    """`--floors-in-op`: the row floors' padding inside runtime.model.layers.floored_linear (in
+    this process and the cold-start processes it starts, which get the same flags)."""
+    if "--floors-in-op" in sys.argv:
+        from runtime.model import layers
+
+        layers.FLOORS_IN_OP = True
 
 
 def build() -> dict:
@@ -1080,8 +1094,8 @@ def parts_session() -> None:
     from runtime import passes
 
     use_cache_dirs()
-    report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
     passes.JOINT_PARTS = 2
+    report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
     report["emulate_casts"] = inductor.emulate_precision_casts = "--emulate-casts" in sys.argv
     attempt(report, "build", build)
     executor = attempt(report, "load", executor_for, Run("bf16"))
@@ -1227,6 +1241,7 @@ def summarise(report: dict) -> None:
 
 if __name__ == "__main__":
     mode = next((a for a in sys.argv[1:] if not a.startswith("--")), "dev")
+    apply_flags()
     if mode == "coldstart":
         coldstart(sys.argv[2])
     elif mode == "parity":

@@ -253,6 +253,34 @@ def test_a_row_floor_pads_the_product_and_gives_the_rows_their_bytes():
     assert all(torch.equal(product(rows[:m], weight, floors), full[:m]) for m in (8, 16, 56))
 
 
+def test_floors_in_an_op_give_the_padded_product_bytes_in_one_graph(monkeypatch):
+    """`FLOORS_IN_OP`: the row floor's padding inside `floored_linear` gives the bytes of the
+    padding in the graph, and a compiled block over row counts on both sides of the floor
+    traces once, with no size comparison for a cached graph to guard on."""
+    from runtime.model import layers
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(24, 40, generator=generator)
+    floors = {(24, 40): 64}
+    counts = (8, 16, 56, 64, 72, 128)
+    xs = [torch.randn(m, 40, generator=generator) for m in counts]
+    in_graph = [layers.product(x, weight, floors) for x in xs]
+    monkeypatch.setattr(layers, "FLOORS_IN_OP", True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda x: layers.product(x, weight, floors), dynamic=True,
+                             backend=backend)  # fmt: skip
+    for x, want in zip(xs, in_graph, strict=True):
+        assert torch.equal(layers.product(x, weight, floors), want)
+        assert torch.equal(compiled(x), want)
+    assert len(graphs) == 1
+    assert "floored_linear" in str(graphs[0].graph) and "max" not in str(graphs[0].graph)
+
+
 def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
     """The CPU engine's products pass the row check, so its passes are sized to the request;
     the invariance test above then runs fitted passes of every row count."""

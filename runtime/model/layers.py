@@ -11,6 +11,13 @@ from torch import nn
 
 LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (model.md §6.2)
 MASKED = torch.finfo(torch.float32).min  # finite, so a row whose keys are all masked stays finite
+# `product` pads to a row floor inside the op `floored_linear`, out of the compiler's sight, in
+# place of a pad of max(floor - rows, 0) rows in the traced graph. A graph the compiler caches
+# gave back carries a guard on which side of each floor its row count fell, and a new process
+# traced a block again for each side (a third of a cold start's 118 s on the H200,
+# docs/measurements/h200-2026-12-02c); the op leaves no such comparison in the graph. Off until
+# its cold start and latency are measured there (`scripts/gpu_torch.py --floors-in-op`)
+FLOORS_IN_OP = False
 
 
 def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
@@ -27,6 +34,21 @@ def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
     setattr(module, name, weight)
 
 
+@torch.library.custom_op("omnijev::floored_linear", mutates_args=())
+def floored_linear(x: torch.Tensor, weight: torch.Tensor, floor: int) -> torch.Tensor:
+    """`x @ weight.T` for x [rows, K], over at least `floor` rows (zero rows appended, cut
+    after): `product`'s padding as one op whose output shape is the input's rows."""
+    rows = x.shape[0]
+    if rows >= floor:
+        return F.linear(x, weight)
+    return F.linear(F.pad(x, (0, 0, 0, floor - rows)), weight)[:rows]
+
+
+@floored_linear.register_fake
+def _(x, weight, floor):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, floors: dict | None = None) -> torch.Tensor:
     """`x @ weight.T`, over at least `floors[weight.shape]` rows (zero rows appended, cut
     after) where the map names a floor: the matrix-product library picks its kernel by shape,
@@ -36,6 +58,8 @@ def product(x: torch.Tensor, weight: torch.Tensor, floors: dict | None = None) -
     if not floor:
         return F.linear(x, weight)
     flat = x.reshape(-1, x.shape[-1])
+    if FLOORS_IN_OP:
+        return floored_linear(flat, weight, floor).reshape(*x.shape[:-1], weight.shape[0])
     rows = flat.shape[0]
     # sym_max: under torch.compile the padding is an expression of the row count, not a guard
     padded = F.pad(flat, (0, 0, 0, torch.sym_max(floor - rows, 0)))
