@@ -14,7 +14,7 @@ MASKED = torch.finfo(torch.float32).min  # finite, so a row whose keys are all m
 # `product` pads to a row floor inside the op `floored_linear`, out of the compiler's sight, in
 # place of a pad of max(floor - rows, 0) rows in the traced graph. A graph the compiler caches
 # gave back carries a guard on which side of each floor its row count fell, and a new process
-# traced a block again for each side (a third of a cold start's 118 s on the H200,
+# traced a block again for each side (about 30 s of a cold start's 118 s on the H200,
 # docs/measurements/h200-2026-12-02c); the op leaves no such comparison in the graph. Off until
 # its cold start and latency are measured there (`scripts/gpu_torch.py --floors-in-op`)
 FLOORS_IN_OP = False
