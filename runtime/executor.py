@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -126,8 +127,8 @@ class Executor:
         laps.append(time.perf_counter())
         # where a start spends its time (logged; the cold-start records keep it)
         steps = ("export check", "tokenizer and heads", "engine check", "backend")
-        spans = zip(steps, laps, laps[1:], strict=False)  # laps has one more entry
-        self.load_seconds = {step: round(b - a, 2) for step, a, b in spans}
+        spans = zip(steps, pairwise(laps), strict=True)
+        self.load_seconds = {step: round(b - a, 2) for step, (a, b) in spans}
         log.info("loaded in %s s", self.load_seconds)
         self.device = self.backend.device
         self.pos_embed = self._vision_pos_embed()
@@ -184,11 +185,11 @@ class Executor:
     @property
     def joint(self) -> bool:
         """Whether option passes run joined with their questions' rows (`lm_joint`): where the
-        backend has the graph and keeps a row's bytes in it (`joint_rows`: its products'
-        floors hold for a joint pass's rows), with fitted passes, and not turned off."""
+        backend has the graph, with fitted passes (the backend then keeps a row's bytes up to
+        `joint_tokens` rows), and not turned off."""
         if self.config.joint_passes is False or not self.backend.has_graph(JOINT_GRAPH):
             return False
-        return bool(getattr(self.backend, "joint_rows", False)) and self.pass_shape()[1]
+        return self.pass_shape()[1]
 
     def warm_up_request(self) -> dict:
         return warm_up_request()

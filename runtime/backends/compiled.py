@@ -198,7 +198,6 @@ class TorchBackend:
     # 128-row piece over the vocabulary) took 0.37 ms of its kernels on the H200
     # (docs/measurements/h200-2026-12-02c)
     optional_readouts = True
-    joint_rows = False  # fit_rows: the products' floors hold, a joint pass's rows included
     joint_tokens = FIT_TOKENS  # fit_rows: the most token slots a joint pass may hold
     floor_seconds = 0.0  # fit_rows: how long measuring the floors took (part of a cold start)
     compile_modes: list[str] = []  # invariant_compilation's settings, where compiled
@@ -305,7 +304,7 @@ class TorchBackend:
         if floors is None:
             log.warning("a product has no row floor: passes keep fixed rows")
             return False
-        self.joint_rows, self.joint_tokens = True, tokens
+        self.joint_tokens = tokens
         log.info("row floors %s up to %d rows (%.1f s)", floors, tokens, self.floor_seconds)
         self.row_floors = floors
         for layer in self.language.layers:
@@ -413,9 +412,9 @@ class TorchBackend:
             if prefix + "input_ids" in feeds:
                 parts.append((prefix, start))
                 start += feeds[prefix + "input_ids"].numel()
-        for prefix, start in parts:
-            outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + start])
-        rows = torch.cat([feeds[prefix + "target_rows"] + start for prefix, start in parts])
+        for prefix, offset in parts:
+            outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + offset])
+        rows = torch.cat([feeds[prefix + "target_rows"] + offset for prefix, offset in parts])
         tokens = torch.cat([feeds[prefix + "target_tokens"] for prefix, _ in parts])
         logprobs = self.readout(flat, rows, tokens)
         at = 0

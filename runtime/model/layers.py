@@ -39,9 +39,7 @@ def floored_linear(x: torch.Tensor, weight: torch.Tensor, floor: int) -> torch.T
     """`x @ weight.T` for x [rows, K], over at least `floor` rows (zero rows appended, cut
     after): `product`'s padding as one op whose output shape is the input's rows."""
     rows = x.shape[0]
-    if rows >= floor:
-        return F.linear(x, weight)
-    return F.linear(F.pad(x, (0, 0, 0, floor - rows)), weight)[:rows]
+    return F.linear(x, weight) if rows >= floor else padded_linear(x, weight, floor - rows)
 
 
 @floored_linear.register_fake
@@ -60,10 +58,14 @@ def product(x: torch.Tensor, weight: torch.Tensor, floors: dict | None = None) -
     flat = x.reshape(-1, x.shape[-1])
     if FLOORS_IN_OP:
         return floored_linear(flat, weight, floor).reshape(*x.shape[:-1], weight.shape[0])
-    rows = flat.shape[0]
     # sym_max: under torch.compile the padding is an expression of the row count, not a guard
-    padded = F.pad(flat, (0, 0, 0, torch.sym_max(floor - rows, 0)))
-    return F.linear(padded, weight)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    pad = torch.sym_max(floor - flat.shape[0], 0)
+    return padded_linear(flat, weight, pad).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def padded_linear(flat: torch.Tensor, weight: torch.Tensor, pad) -> torch.Tensor:
+    """`flat @ weight.T` over `pad` zero rows more than flat [rows, K] has, cut after."""
+    return F.linear(F.pad(flat, (0, 0, 0, pad)), weight)[: flat.shape[0]]
 
 
 def projections(
