@@ -11,7 +11,7 @@ import functools
 import hashlib
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,12 +176,27 @@ def check_outputs(root: Path, manifest: dict, verify: bool) -> dict[str, Path]:
             raise ExportError(f"export output {name} resolves outside the export directory")
         files[name] = path
     if verify:
-        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="omnijev-hash") as pool:
-            digests = dict(zip(files, pool.map(sha256_file, files.values()), strict=True))
-        for name, expected in outputs.items():  # the manifest's order: the first mismatch
-            if digests[name] != expected.lower():
-                raise ExportError(f"export output {name} does not match its SHA-256")
+        verify_outputs(files, outputs)
     return files
+
+
+def verify_outputs(files: dict[str, Path], outputs: dict[str, str]) -> None:
+    """Every listed output's SHA-256 against the manifest's (`check_outputs`' hashing)."""
+    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="omnijev-hash") as pool:
+        digests = dict(zip(files, pool.map(sha256_file, files.values()), strict=True))
+    for name, expected in outputs.items():  # the manifest's order: the first mismatch
+        if digests[name] != expected.lower():
+            raise ExportError(f"export output {name} does not match its SHA-256")
+
+
+def start_verify(info: ExportInfo) -> Future:
+    """`verify_outputs` of a `load_export(verify=False)` on a thread of its own: the caller
+    loads meanwhile and takes `.result()` (the export's refusal, if any) before it answers."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="omnijev-verify")
+    try:
+        return pool.submit(verify_outputs, info.files, info.manifest["outputs"])
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 def check_shards(root: Path, files: dict[str, Path]) -> tuple[Path, ...]:

@@ -15,10 +15,10 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
                                            # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
-`--floors-in-op` pads products to their row floors inside an op (runtime.model.layers.
-FLOORS_IN_OP), for its cold start and latency; `cold --only-without` runs the start without
-caches alone, `cold --only-with` the start with
-the caches a previous call left (without them first where there are none);
+`--floors-in-graph` pads products to their row floors in the traced graph again, not inside
+an op (runtime.model.layers.FLOORS_IN_OP False), for a comparison; `cold --only-without` runs
+the start without caches alone, `cold --only-with` the start with the caches a previous call
+left (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
@@ -129,12 +129,13 @@ def environment() -> dict:
 
 
 def apply_flags() -> None:
-    """`--floors-in-op`: the row floors' padding inside runtime.model.layers.floored_linear (in
-    this process and the cold-start processes it starts, which get the same flags)."""
-    if "--floors-in-op" in sys.argv:
+    """`--floors-in-graph`: the row floors' padding in the traced graph, not inside
+    runtime.model.layers.floored_linear (in this process and the cold-start processes it
+    starts, which get the same flags)."""
+    if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 
-        layers.FLOORS_IN_OP = True
+        layers.FLOORS_IN_OP = False
 
 
 def build() -> dict:

@@ -264,6 +264,7 @@ def test_floors_in_an_op_give_the_padded_product_bytes_in_one_graph(monkeypatch)
     floors = {(24, 40): 64}
     counts = (8, 16, 56, 64, 72, 128)
     xs = [torch.randn(m, 40, generator=generator) for m in counts]
+    monkeypatch.setattr(layers, "FLOORS_IN_OP", False)
     in_graph = [layers.product(x, weight, floors) for x in xs]
     monkeypatch.setattr(layers, "FLOORS_IN_OP", True)
     graphs = []
@@ -279,6 +280,37 @@ def test_floors_in_an_op_give_the_padded_product_bytes_in_one_graph(monkeypatch)
         assert torch.equal(compiled(x), want)
     assert len(graphs) == 1
     assert "floored_linear" in str(graphs[0].graph) and "max" not in str(graphs[0].graph)
+
+
+def test_an_export_unlike_its_hashes_is_refused_though_it_loads_beside_the_hashing(
+    engines, tmp_path
+):
+    """The export's files hash on a thread while the backend loads them: a shard whose bytes
+    changed (still a readable safetensors file) loads, and the executor is refused all the
+    same, naming the file."""
+    import shutil
+
+    from runtime.config import RuntimeConfig
+    from runtime.executor import Executor
+    from runtime.export_format import ExportError
+
+    export = tmp_path / "export"
+    shutil.copytree(engines[0], export)
+    shard = sorted(export.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor's data
+    shard.write_bytes(bytes(data))
+    config = RuntimeConfig.from_env(backend="torch")
+    with pytest.raises(ExportError, match=f"export output {shard.name} does not match its SHA"):
+        Executor(export, engines[1], config)
+    shard.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))
+    assert set(Executor(export, engines[1], config).load_seconds) == {
+        "export check",
+        "tokenizer and heads",
+        "engine check",
+        "backend",
+        "hash wait",
+    }
 
 
 def test_the_cpu_engine_fits_its_passes_to_the_request(executor):

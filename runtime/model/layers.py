@@ -14,10 +14,10 @@ MASKED = torch.finfo(torch.float32).min  # finite, so a row whose keys are all m
 # `product` pads to a row floor inside the op `floored_linear`, out of the compiler's sight, in
 # place of a pad of max(floor - rows, 0) rows in the traced graph. A graph the compiler caches
 # gave back carries a guard on which side of each floor its row count fell, and a new process
-# traced a block again for each side (about 30 s of a cold start's 118 s on the H200,
-# docs/measurements/h200-2026-12-02c); the op leaves no such comparison in the graph. Off until
-# its cold start and latency are measured there (`scripts/gpu_torch.py --floors-in-op`)
-FLOORS_IN_OP = False
+# traced a block again for each side. On the H200 (docs/measurements/h200-2026-12-02d) the op
+# took the cold start with caches from 118.5 to 89.6 s, with the GPU stages no slower and the
+# invariance check byte for byte; False restores the in-graph pad (`gpu_torch --floors-in-graph`)
+FLOORS_IN_OP = True
 
 
 def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
