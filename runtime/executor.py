@@ -180,17 +180,23 @@ class Executor:
         # float32 patches) and the resize and the patches are made there, byte for byte the
         # host's: the resize took 6-7 ms of the H200 host's preparation
         host = self.device.type == "cpu"
-        prepared = prepare(compile_request(obj), self.tokenizer, pack=host, resize=host)
-        return self.with_plan(prepared)
+        request = compile_request(obj)
+        # the plan is made while the image decodes: it needs the rows, not the pixels
+        prepared = prepare(request, self.tokenizer, pack=host, resize=host, planner=self.plan_of)
+        return prepared if prepared.planned is not None else self.with_plan(prepared)
+
+    def plan_of(self, prepared: Prepared) -> tuple:
+        """(pass shape, plan) of a request, as `readouts` takes them from `Prepared.planned`."""
+        shape = self.pass_shape()
+        return shape, plan(prepared, *shape, joint=self.joint, joint_tokens=self.joint_tokens)
 
     def with_plan(self, prepared: Prepared) -> Prepared:
         """The request with its pass plan made now, on the preparing thread, not on the
         execution thread."""
         started = time.perf_counter()
-        shape = self.pass_shape()
-        work = plan(prepared, *shape, joint=self.joint, joint_tokens=self.joint_tokens)
+        planned = self.plan_of(prepared)
         seconds = prepared.prepare_seconds + time.perf_counter() - started
-        return replace(prepared, planned=(shape, work), prepare_seconds=seconds)
+        return replace(prepared, planned=planned, prepare_seconds=seconds)
 
     def pass_shape(self) -> tuple[int, bool]:
         """(question pass rows, fitted passes) of this executor's plans: fitted where the

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -242,7 +242,13 @@ def mrope_positions(
 
 def sequence_positions(ids: Sequence[int], image: PreparedImage) -> np.ndarray:
     """Positions of a question's whole sequence, after checking its image run against the grid."""
-    return mrope_positions(ids, find_image_run(ids, image.image_tokens), image.grid_thw)
+    return grid_positions(ids, image.grid_thw)
+
+
+def grid_positions(ids: Sequence[int], grid_thw: tuple[int, int, int]) -> np.ndarray:
+    """`sequence_positions` from the patch grid alone (the image need not be decoded yet)."""
+    image_tokens = (grid_thw[1] // 2) * (grid_thw[2] // 2)
+    return mrope_positions(ids, find_image_run(ids, image_tokens), grid_thw)
 
 
 def option_marks(ids: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -357,12 +363,15 @@ def prepare(
     image: PreparedImage | None = None,
     pack: bool = True,
     resize: bool = True,
+    planner: Callable[[Prepared], object] | None = None,
 ) -> Prepared:
     """Decodes the image (unless given), tokenizes every question and lays out its rows.
 
     With the contract's open image, the decode runs on an image thread while this one tokenizes
-    (the image run's length follows from the header's size); its refusals still come first.
-    `pack` False leaves the patches to the device, and `resize` False the resize as well
+    and lays out the rows, positions included (the image run's length and the patch grid follow
+    from the header's size); its refusals still come first. `planner` makes `Prepared.planned`
+    from the request without its image, on this thread, while the decode runs. `pack` False
+    leaves the patches to the device, and `resize` False the resize as well
     (`runtime.images.prepare_image`).
     """
     started = time.perf_counter()
@@ -375,23 +384,32 @@ def prepare(
             image = prepare_image(
                 request.image_bytes, request.image_mime, request.opened, pack, resize
             )
+    draft, planned, failure = None, None, None
     try:
-        tokens = image.image_tokens if image is not None else header_tokens(request)
-        drafts, prefix, processed = lay_out(request.questions, tokenizer, tokens)
+        grid = image.grid_thw if image is not None else header_grid(request)
+        drafts, prefix, processed = lay_out(request.questions, tokenizer, grid_tokens(grid))
+        layouts = tuple(with_positions(drafts, grid))
     except ContractError as error:
         refusal: ContractError | None = error
     else:
         refusal = None
+        # the request as the model side sees it, its image (None) still decoding
+        draft = Prepared(image=image, layouts=layouts, prefix_length=prefix, input_tokens=processed)
+        if planner is not None:
+            try:
+                planned = planner(draft)
+            except Exception as error:  # raised after the image's refusals, as they come first
+                failure = error
     if pending is not None:
         image = pending.result()  # an image refusal is raised here, before the text's
     if refusal is not None:
         raise refusal
-    return Prepared(
-        image=image,
-        layouts=tuple(with_positions(drafts, image)),
-        prefix_length=prefix,
-        input_tokens=processed,
-        prepare_seconds=time.perf_counter() - started,
+    if failure is not None:
+        raise failure
+    if image.grid_thw != grid:  # the header's size gave another grid than the decoded image's
+        raise ContractError(PLACEHOLDER_ERROR)
+    return replace(
+        draft, image=image, planned=planned, prepare_seconds=time.perf_counter() - started
     )
 
 
@@ -418,11 +436,21 @@ def start_image(request: Request, pack: bool = True, resize: bool = True) -> Fut
 
 def header_tokens(request: Request) -> int:
     """The image run's length from the open header's size, as the decoded image will give."""
-    from runtime.images import FACTOR, smart_resize
+    return grid_tokens(header_grid(request))
+
+
+def header_grid(request: Request) -> tuple[int, int, int]:
+    """The patch grid (1, H/16, W/16) from the open header's size, as the decoded image will
+    give (`runtime.images.prepare_image`)."""
+    from runtime.images import check_grid, smart_resize
 
     width, height = request.opened.size
-    resized_h, resized_w = smart_resize(height, width)
-    return (resized_h // FACTOR) * (resized_w // FACTOR)
+    return (1, *check_grid(*smart_resize(height, width), 3))
+
+
+def grid_tokens(grid_thw: tuple[int, int, int]) -> int:
+    """Image tokens of a patch grid: one per 2×2 block (PreparedImage.image_tokens)."""
+    return (grid_thw[1] // 2) * (grid_thw[2] // 2)
 
 
 def lay_out(
@@ -459,11 +487,11 @@ def lay_out(
     return drafts, prefix, processed
 
 
-def with_positions(drafts: Sequence[dict], image: PreparedImage) -> list[QuestionLayout]:
+def with_positions(drafts: Sequence[dict], grid_thw: tuple[int, int, int]) -> list[QuestionLayout]:
     """The layouts with their M-RoPE positions, each image run checked against the grid."""
     layouts = []
     for draft in drafts:
         fields = dict(draft)
-        positions = sequence_positions(fields.pop("ids"), image)
+        positions = grid_positions(fields.pop("ids"), grid_thw)
         layouts.append(QuestionLayout(**fields, positions=positions))
     return layouts

@@ -426,3 +426,64 @@ def child_input_tokens(body: dict) -> int:
     from runtime.contract import compile_request
 
     return prepare(compile_request(body), load_tokenizer(None)).input_tokens
+
+
+@pytest.mark.parametrize("size", [(1600, 900), (65, 33), (3000, 17), (97, 4000), (33, 33)])
+def test_the_header_grid_is_the_decoded_image_grid(size):
+    """Positions and the plan are made from the header's size while the image decodes: the
+    grid it gives is the one the decoded image gets, on both image paths."""
+    from PIL import Image
+
+    from runtime.contract import compile_request
+    from runtime.images import prepare_image
+    from runtime.processing import header_grid
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (9, 8, 7)).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    body = {"state": {"images": [url]}, "questions": {"q": {"type": "noul", "instructions": "?"}}}
+    request = compile_request(body)
+    for pack in (True, False):
+        decoded = prepare_image(buffer.getvalue(), "image/png", None, pack, pack)
+        assert header_grid(request) == tuple(decoded.grid_thw)
+
+
+def test_a_planner_plans_before_the_image_and_its_refusal_comes_after_the_image(tok):
+    """`prepare(planner=...)` hands the planner the request without its image (still decoding)
+    and keeps what it returns; the layouts are those of a prepare without it; a planner's
+    error is raised only after the image's own refusal."""
+    from PIL import Image
+
+    from runtime.contract import compile_request
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (640, 480), (1, 2, 3)).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    options = [{"text": "a"}, {"text": "bb"}]
+    questions = {"q": {"type": "choice", "instructions": "Which?", "options": options}}
+    body = {"state": {"images": [url]}, "questions": questions}
+    seen = []
+
+    def planner(draft):
+        seen.append(draft)
+        return "planned"
+
+    plain = prepare(compile_request(body), tok)
+    prepared = prepare(compile_request(body), tok, planner=planner)
+    assert prepared.planned == "planned" and plain.planned is None
+    assert len(seen) == 1 and seen[0].layouts == prepared.layouts
+    assert prepared.input_tokens == plain.input_tokens
+    for mine, theirs in zip(prepared.layouts, plain.layouts, strict=True):
+        assert np.array_equal(mine.positions, theirs.positions)
+        assert mine.rows == theirs.rows
+
+    def failing(draft):
+        raise RuntimeError("planner failed")
+
+    with pytest.raises(RuntimeError, match="planner failed"):
+        prepare(compile_request(body), tok, planner=failing)
+    body["state"]["images"] = [
+        "data:image/png;base64," + base64.b64encode(buffer.getvalue()[:-30]).decode()
+    ]
+    with pytest.raises(ContractError, match="invalid image"):
+        prepare(compile_request(body), tok, planner=failing)

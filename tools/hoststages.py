@@ -7,6 +7,7 @@ requests come from `tools.bench.host_requests`, the command line is `tools.hostp
 
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
 import time
@@ -237,11 +238,13 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
 
     started = TIMERS["total"]()
     request = compile_request(parse_body(body))
+    # the plan made while the image decodes, as Executor.prepare makes it, where prepare can
+    planner = {"planner": plan} if "planner" in inspect.signature(prepare).parameters else {}
     if pack:
-        prepared = prepare(request, tokenizer)
+        prepared = prepare(request, tokenizer, **planner)
     else:
-        prepared = prepare(request, tokenizer, pack=False, resize=False)
-    work = plan(prepared)
+        prepared = prepare(request, tokenizer, pack=False, resize=False, **planner)
+    work = prepared.planned if prepared.planned is not None else plan(prepared)
     upload(prepared, work, device)
     between = TIMERS["total"]()
     readouts = synthetic_readouts(prepared, heads.hidden)
