@@ -183,7 +183,7 @@ class Executor:
         request = compile_request(obj)
         # the plan is made while the image decodes: it needs the rows, not the pixels
         prepared = prepare(request, self.tokenizer, pack=host, resize=host, planner=self.plan_of)
-        return prepared if prepared.planned is not None else self.with_plan(prepared)
+        return prepared
 
     def plan_of(self, prepared: Prepared) -> tuple:
         """(pass shape, plan) of a request, as `readouts` takes them from `Prepared.planned`."""

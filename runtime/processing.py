@@ -247,8 +247,7 @@ def sequence_positions(ids: Sequence[int], image: PreparedImage) -> np.ndarray:
 
 def grid_positions(ids: Sequence[int], grid_thw: tuple[int, int, int]) -> np.ndarray:
     """`sequence_positions` from the patch grid alone (the image need not be decoded yet)."""
-    image_tokens = (grid_thw[1] // 2) * (grid_thw[2] // 2)
-    return mrope_positions(ids, find_image_run(ids, image_tokens), grid_thw)
+    return mrope_positions(ids, find_image_run(ids, grid_tokens(grid_thw)), grid_thw)
 
 
 def option_marks(ids: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -434,14 +433,9 @@ def start_image(request: Request, pack: bool = True, resize: bool = True) -> Fut
     )
 
 
-def header_tokens(request: Request) -> int:
-    """The image run's length from the open header's size, as the decoded image will give."""
-    return grid_tokens(header_grid(request))
-
-
 def header_grid(request: Request) -> tuple[int, int, int]:
     """The patch grid (1, H/16, W/16) from the open header's size, as the decoded image will
-    give (`runtime.images.prepare_image`)."""
+    give (`runtime.images.prepare_image`): the image run's length and the positions follow."""
     from runtime.images import check_grid, smart_resize
 
     width, height = request.opened.size
