@@ -138,7 +138,8 @@ class Executor:
 
         self.model_config = self.export.config
         self.dims = Dims.from_config(self.model_config)
-        self.tokenizer = load_tokenizer(checkpoint)
+        # the export check loaded and checked it already
+        self.tokenizer = self.export.tokenizer or load_tokenizer(checkpoint)
         self.heads = Heads.from_safetensors(checkpoint / "heads.safetensors")
         self.calibration = self.export.calibration
         self.config = config or RuntimeConfig.from_env()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from runtime.constants import IMAGE_PAD_ID, MODEL_ID, OPTION_TOKENS, SPECIAL_IDS, VOCABULARY
 from runtime.finish import Calibration
@@ -26,6 +27,7 @@ MANIFEST = "omnijev_export.json"
 INDEX = "model.safetensors.index.json"
 VISION = "vision.safetensors"
 HEADS = "heads.safetensors"
+TOKENIZERS_KEPT = 2  # checked tokenizers kept by file (a Qwen tokenizer is tens of MB)
 HASH_BLOCK = 4 * 1024 * 1024  # the worker hashes in 4 MiB blocks (contract.md §8.3)
 # files hashed at once: hashlib lets go of the GIL while it hashes a block, so the shards hash
 # side by side (the 4b export's check took 9.3 s of a 14 s load on the H200's host one file
@@ -76,6 +78,7 @@ class ExportInfo:
     identity: str  # "real" or "synthetic"
     files: dict[str, Path]  # every listed output
     shards: tuple[Path, ...]  # language-model shards, in index order
+    tokenizer: Tokenizer | None = None  # the checked tokenizer.json, loaded once
 
     @property
     def hidden_size(self) -> int:
@@ -256,31 +259,37 @@ def check_calibration(value: object) -> Calibration:
     return Calibration(temperatures=temps, noul_bias=float(bias))
 
 
-def check_tokenizer(path: Path) -> None:
-    """The processor's check: image and option tokens at their ids, 248,079 tokens in all."""
+def check_tokenizer(path: Path) -> Tokenizer:
+    """The processor's check: image and option tokens at their ids, 248,079 tokens in all; the
+    tokenizer it loaded, for the caller to use (shared: never change its padding or
+    truncation)."""
     stat = path.stat()
-    problem = _tokenizer_problem(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    tokenizer, problem = _checked_tokenizer(*key)
     if problem:
         raise ExportError(problem)
+    return tokenizer
 
 
-@functools.lru_cache(maxsize=8)
-def _tokenizer_problem(path: str, size: int, mtime_ns: int, inode: int) -> str | None:
-    """Loading takes about a second, so a file unchanged since its last check is not reloaded."""
+@functools.lru_cache(maxsize=TOKENIZERS_KEPT)
+def _checked_tokenizer(path: str, size: int, mtime_ns: int, inode: int) -> tuple:
+    """(tokenizer, None) or (None, the problem). Loading takes about a second (the executor
+    used to load the file again after this check), so a file unchanged since its last check
+    is not reloaded."""
     from tokenizers import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as error:  # tokenizers raises a bare Exception for malformed files
-        return f"export tokenizer.json does not load: {error}"
+        return None, f"export tokenizer.json does not load: {error}"
     count = tokenizer.get_vocab_size(with_added_tokens=True)
     if count != VOCABULARY:
-        return f"export tokenizer has {count} tokens, expected {VOCABULARY}"
+        return None, f"export tokenizer has {count} tokens, expected {VOCABULARY}"
     for token, expected in TOKENIZER_IDS.items():
         found = tokenizer.token_to_id(token)
         if found != expected:
-            return f"export tokenizer maps {token} to {found}, expected {expected}"
-    return None
+            return None, f"export tokenizer maps {token} to {found}, expected {expected}"
+    return tokenizer, None
 
 
 def load_export(path: str | Path, verify: bool = True) -> ExportInfo:
@@ -295,8 +304,8 @@ def load_export(path: str | Path, verify: bool = True) -> ExportInfo:
     config = read_json(files["config.json"], "export config")
     check_config(config, identity)
     calibration = check_calibration(manifest.get("calibration"))
-    check_tokenizer(files["tokenizer.json"])
-    return ExportInfo(root, manifest, config, calibration, identity, files, shards)
+    tokenizer = check_tokenizer(files["tokenizer.json"])
+    return ExportInfo(root, manifest, config, calibration, identity, files, shards, tokenizer)
 
 
 def language_name(name: str) -> str | None:

@@ -316,3 +316,14 @@ def test_refuses_tokenizer_id_mismatch(copy, token, message):
 def test_refuses_missing_directory_and_manifest(tmp_path):
     refused(tmp_path / "nowhere", "export directory .* does not exist")
     refused(tmp_path, f"export manifest {MANIFEST} is missing")
+
+
+def test_the_checked_tokenizer_is_the_one_the_executor_uses(copy):
+    """The export check loads tokenizer.json once and hands it on (the executor used to parse
+    the file again); an unchanged file is not parsed again, a rewritten one is."""
+    info = load_export(copy, verify=False)
+    assert info.tokenizer is not None and info.tokenizer.token_to_id("<|opt|>") == 248077
+    assert load_export(copy, verify=False).tokenizer is info.tokenizer
+    path = copy / "tokenizer.json"
+    rewrite(path, path.read_bytes())
+    assert load_export(copy, verify=False).tokenizer is not info.tokenizer
