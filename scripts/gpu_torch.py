@@ -15,10 +15,12 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
                                            # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
 
-`--floors-in-graph` pads products to their row floors in the traced graph again, not inside
-an op (runtime.model.layers.FLOORS_IN_OP False), for a comparison; `cold --only-without` runs
-the start without caches alone, `cold --only-with` the start with the caches a previous call
-left (without them first where there are none);
+`OMNIJEV_AOT_BLOCKS=1` in the environment (this process and those it starts) compiles the
+language-model blocks ahead of time (runtime.backends.aot): `cold` then measures a start that
+loads them without tracing. `--floors-in-graph` pads products to their row floors in the
+traced graph again, not inside an op (runtime.model.layers.FLOORS_IN_OP False), for a
+comparison; `cold --only-without` runs the start without caches alone, `cold --only-with` the
+start with the caches a previous call left (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from runtime.backends import aot
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
 from runtime.constants import DTYPES, JOINT_GRAPH, JOINT_PREFIXES
@@ -50,6 +51,7 @@ RECOMPILE_LIMIT = 256  # dynamo's per-function cache (default 8): one entry per 
 TORCH_DIR = "torch"  # in an engine directory: the compiler caches `omnijev engines` prepared
 INDUCTOR_CACHE = "inductor"
 TRITON_CACHE = "triton"
+AOT_CACHE = "aot"  # the blocks' functions saved ahead of time (runtime.backends.aot), if on
 ENGINES_MANIFEST = "engines.json"
 ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
@@ -165,6 +167,15 @@ def use_caches(folder: Path) -> None:
     variables when they first compile, which is after this."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / INDUCTOR_CACHE)
     os.environ["TRITON_CACHE_DIR"] = str(folder / TRITON_CACHE)
+    os.environ[aot.AOT_DIR_ENV] = str(folder / AOT_CACHE)
+
+
+def compiled_block(name: str, function):
+    """A language-model block compiled by Dynamo when first called, or ahead of time where
+    `runtime.backends.aot` is on and this torch has it (no tracing in a later process)."""
+    if aot.enabled() and aot.supported():
+        return aot.AheadOfTimeBlock(name, function, aot.aot_folder())
+    return torch.compile(function, dynamic=True)
 
 
 def padded_table(embedding: torch.Tensor) -> torch.Tensor:
@@ -337,8 +348,8 @@ class TorchBackend:
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         self.compile_modes = invariant_compilation()
-        blocks = {name: torch.compile(f, dynamic=True) for name, f in BLOCKS.items()}
-        joint = {name: torch.compile(f, dynamic=True) for name, f in JOINT_BLOCKS.items()}
+        blocks = {name: compiled_block(name, f) for name, f in BLOCKS.items()}
+        joint = {name: compiled_block(f"joint_{name}", f) for name, f in JOINT_BLOCKS.items()}
         return {
             "vision": torch.compile(self.vision, dynamic=True),
             "lm_state": partial(pass_body, self.language, return_state=True, blocks=blocks),
