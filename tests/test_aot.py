@@ -93,6 +93,10 @@ def test_the_backend_compiles_its_blocks_ahead_of_time_only_when_asked(monkeypat
     assert not isinstance(compiled.compiled_block("b", block), aot.AheadOfTimeBlock)
     monkeypatch.setenv(aot.AOT_ENV, "1")
     monkeypatch.setenv(aot.AOT_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", False)
-    made = compiled.compiled_block("b", block)
+    # the block sets Dynamo's specialize_float; its own patch puts it back (monkeypatch would
+    # delete the config entry on undo)
+    with torch._dynamo.config.patch(specialize_float=False):
+        made = compiled.compiled_block("b", block)
+        assert torch._dynamo.config.specialize_float
     assert isinstance(made, aot.AheadOfTimeBlock) and made.folder == tmp_path
+    assert not torch._dynamo.config.specialize_float
