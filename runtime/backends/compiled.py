@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.backends import aot
+from runtime.backends.aot import AOT_DIR_ENV, AheadOfTimeBlock, aot_folder, enabled, supported
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
 from runtime.constants import DTYPES, JOINT_GRAPH, JOINT_PREFIXES
@@ -167,14 +167,14 @@ def use_caches(folder: Path) -> None:
     variables when they first compile, which is after this."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / INDUCTOR_CACHE)
     os.environ["TRITON_CACHE_DIR"] = str(folder / TRITON_CACHE)
-    os.environ[aot.AOT_DIR_ENV] = str(folder / AOT_CACHE)
+    os.environ[AOT_DIR_ENV] = str(folder / AOT_CACHE)
 
 
 def compiled_block(name: str, function):
     """A language-model block compiled by Dynamo when first called, or ahead of time where
     `runtime.backends.aot` is on and this torch has it (no tracing in a later process)."""
-    if aot.enabled() and aot.supported():
-        return aot.AheadOfTimeBlock(name, function, aot.aot_folder())
+    if enabled() and supported():
+        return AheadOfTimeBlock(name, function, aot_folder())
     return torch.compile(function, dynamic=True)
 
 
