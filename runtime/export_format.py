@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -78,7 +78,8 @@ class ExportInfo:
     identity: str  # "real" or "synthetic"
     files: dict[str, Path]  # every listed output
     shards: tuple[Path, ...]  # language-model shards, in index order
-    tokenizer: Tokenizer | None = None  # the checked tokenizer.json, loaded once
+    # the checked tokenizer.json, loaded once (its repr is the whole vocabulary: not shown)
+    tokenizer: Tokenizer | None = field(default=None, compare=False, repr=False)
 
     @property
     def hidden_size(self) -> int:
