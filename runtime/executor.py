@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -134,12 +134,10 @@ class Executor:
     ) -> None:
         """The tokenizer, heads, engine check and backend, each step's end in `laps`."""
         from runtime.heads import Heads
-        from runtime.tokenizer import load_tokenizer
 
         self.model_config = self.export.config
         self.dims = Dims.from_config(self.model_config)
-        # the export check loaded and checked it already
-        self.tokenizer = self.export.tokenizer or load_tokenizer(checkpoint)
+        self.tokenizer = self.export.tokenizer  # the export check loaded and checked it
         self.heads = Heads.from_safetensors(checkpoint / "heads.safetensors")
         self.calibration = self.export.calibration
         self.config = config or RuntimeConfig.from_env()
@@ -181,23 +179,14 @@ class Executor:
         # float32 patches) and the resize and the patches are made there, byte for byte the
         # host's: the resize took 6-7 ms of the H200 host's preparation
         host = self.device.type == "cpu"
-        request = compile_request(obj)
         # the plan is made while the image decodes: it needs the rows, not the pixels
-        prepared = prepare(request, self.tokenizer, pack=host, resize=host, planner=self.plan_of)
-        return prepared
+        request = compile_request(obj)
+        return prepare(request, self.tokenizer, pack=host, resize=host, planner=self.plan_of)
 
     def plan_of(self, prepared: Prepared) -> tuple:
         """(pass shape, plan) of a request, as `readouts` takes them from `Prepared.planned`."""
         shape = self.pass_shape()
         return shape, plan(prepared, *shape, joint=self.joint, joint_tokens=self.joint_tokens)
-
-    def with_plan(self, prepared: Prepared) -> Prepared:
-        """The request with its pass plan made now, on the preparing thread, not on the
-        execution thread."""
-        started = time.perf_counter()
-        planned = self.plan_of(prepared)
-        seconds = prepared.prepare_seconds + time.perf_counter() - started
-        return replace(prepared, planned=planned, prepare_seconds=seconds)
 
     def pass_shape(self) -> tuple[int, bool]:
         """(question pass rows, fitted passes) of this executor's plans: fitted where the
@@ -268,7 +257,7 @@ class Executor:
         shape, planned = self.pass_shape(), prepared.planned
         work = planned[1] if planned and planned[0] == shape else None
         if work is None or work.joined != self.joint:
-            work = plan(prepared, *shape, joint=self.joint, joint_tokens=self.joint_tokens)
+            work = self.plan_of(prepared)[1]
         clock = Stopwatch(self.stages, self.stage_sync)
         with torch.inference_mode():
             key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None

@@ -79,7 +79,7 @@ class ExportInfo:
     files: dict[str, Path]  # every listed output
     shards: tuple[Path, ...]  # language-model shards, in index order
     # the checked tokenizer.json, loaded once (its repr is the whole vocabulary: not shown)
-    tokenizer: Tokenizer | None = field(default=None, compare=False, repr=False)
+    tokenizer: Tokenizer = field(compare=False, repr=False)
 
     @property
     def hidden_size(self) -> int:

@@ -369,8 +369,7 @@ def plan_joint(
     for op in options:
         last = groups[-1] if groups else None
         if last and last[0] == op.question_pass and len(last[1]) < JOINT_PARTS:
-            merged = joint_pass(prepared, spans, questions, [*last[1], op], question_rows, fit)
-            if fits(merged, question_rows, tokens):
+            if fits(questions[op.question_pass], [*last[1], op], question_rows, fit, tokens):
                 last[1].append(op)
                 continue
         groups.append((op.question_pass, [op]))
@@ -396,10 +395,10 @@ def joint_pass(
     the questions their rows continue, in the question pass's order, and each part's `src`
     pointing at those rows; readouts for the questions not in `read`."""
     qp = questions[ops[0].question_pass]
-    sources = sorted({int(s) for op in ops for s in op.rows.src[: len(op.members)]})
+    sources = part_sources(ops)
     chunk = [qp.members[s] for s in sources]
     length = qp.rows.shape[1]
-    rows = fitted_rows(len(chunk), rows_for(length, question_rows, QUESTION_TOKENS), fit)
+    rows = question_part_rows(len(chunk), length, question_rows, fit)
     new = set(chunk) - (read or set())
     where = {s: row for row, s in enumerate(sources)}
     parts = []
@@ -408,15 +407,30 @@ def joint_pass(
         src = np.zeros_like(op.rows.src)
         src[: len(real)] = [where[int(s)] for s in real]
         parts.append(replace(op, rows=replace(op.rows, src=src)))
-    text = question_pass(prepared, spans, chunk, length, max(rows, len(chunk)), new)
+    text = question_pass(prepared, spans, chunk, length, rows, new)
     return JointPass(text, parts)
 
 
-def fits(jp: JointPass, question_rows: int, tokens: int) -> bool:
-    """Whether a joint pass stays within its question bucket's rows and `tokens` slots."""
-    length = jp.question.rows.shape[1]
+def part_sources(ops: list[OptionPass]) -> list[int]:
+    """The question-pass rows the option rows of `ops` continue, in order."""
+    return sorted({int(s) for op in ops for s in op.rows.src[: len(op.members)]})
+
+
+def question_part_rows(count: int, length: int, question_rows: int, fit: bool) -> int:
+    """Rows of a joint pass's question part holding `count` questions of `length` tokens."""
     most = rows_for(length, question_rows, QUESTION_TOKENS)
-    return len(jp.question.members) <= most and jp.tokens <= tokens
+    return max(fitted_rows(count, most, fit), count)
+
+
+def fits(
+    qp: QuestionPass, ops: list[OptionPass], question_rows: int, fit: bool, tokens: int
+) -> bool:
+    """Whether the joint pass of `ops` (option passes of `qp`) would stay within the question
+    bucket's rows and `tokens` slots: `joint_pass`'s sizes, without making its arrays."""
+    count, length = len(part_sources(ops)), qp.rows.shape[1]
+    slots = question_part_rows(count, length, question_rows, fit) * length
+    slots += sum(int(np.prod(op.rows.shape)) for op in ops)
+    return count <= rows_for(length, question_rows, QUESTION_TOKENS) and slots <= tokens
 
 
 def joins(layout: QuestionLayout) -> bool:

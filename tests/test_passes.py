@@ -266,7 +266,9 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     for a, b in zip(work.joint, work.joint[1:], strict=False):
         if a.parts[-1].question_pass == b.parts[0].question_pass:
             merged = joint_pass(prepared, spans, mine, [*a.parts, b.parts[0]], QUESTION_ROWS, fit)
-            assert len(merged.parts) > parts or not fits(merged, QUESTION_ROWS, tokens)
+            qp = mine[a.parts[-1].question_pass]
+            fitting = fits(qp, merged.parts, QUESTION_ROWS, fit, tokens)
+            assert len(merged.parts) > parts or not fitting
     shared = [jp for jp in work.joint if len(jp.parts) > 1]
     if tokens > FIT_TOKENS and fit and parts > 1:  # the speed bench's options: two buckets
         assert shared

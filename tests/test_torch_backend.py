@@ -349,7 +349,7 @@ def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
         executor.config = kept.with_(fit_rows=False)
         assert not executor.joint
         assert executor.pass_shape() == (QUESTION_ROWS, False)
-        fixed = executor.with_plan(prepared).planned[1]
+        fixed = executor.plan_of(prepared)[1]
         assert [qp.rows.shape[0] for qp in fixed.questions] == [QUESTION_ROWS]
     finally:
         executor.config = kept

@@ -28,6 +28,7 @@ from runtime.constants import DTYPES, JOINT_GRAPH, JOINT_PREFIXES
 from runtime.model.language import (
     BLOCKS,
     JOINT_BLOCKS,
+    fed_parts,
     folded_attention,
     joint_body,
     lm_input_names,
@@ -71,8 +72,9 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a 
 # (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows (K 9,216), the
 # wide ones at 0 (docs/measurements/h200-2026-12-01d)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
-# a joint pass holds a question part and up to two option passes (runtime.passes.JOINT_PARTS)
-# of the small family that joins (runtime.passes.JOINT_OPTIONS): the floors are measured up to
+# a joint pass holds a question part and up to two option passes (runtime.passes.JOINT_PARTS,
+# 1 while two parts break invariance, may be 2) of the small family that joins
+# (runtime.passes.JOINT_OPTIONS): the floors are measured up to
 # that many rows, and where they hold only up to FIT_TOKENS, joint passes stay within
 # FIT_TOKENS (on the H200 every row count from 384 to 1,024 gave the bytes of 1,024 rows;
 # docs/measurements/h200-2026-12-02)
@@ -419,10 +421,9 @@ class TorchBackend:
         """The readouts of a pass from `flat`; a joint pass's parts' tokens follow its question
         rows' there, in order, and every part's log-probabilities come from one `readout`."""
         parts, start = [("", 0)], feeds["input_ids"].numel()
-        for prefix in JOINT_PREFIXES if joint else ():
-            if prefix + "input_ids" in feeds:
-                parts.append((prefix, start))
-                start += feeds[prefix + "input_ids"].numel()
+        for prefix in fed_parts(feeds) if joint else ():
+            parts.append((prefix, start))
+            start += feeds[prefix + "input_ids"].numel()
         for prefix, offset in parts:
             outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + offset])
         rows = torch.cat([feeds[prefix + "target_rows"] + offset for prefix, offset in parts])

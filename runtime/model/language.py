@@ -667,6 +667,11 @@ def joint_delta_block(layer, h, valid_q, lengths_q, parts, conv_past, rec_past, 
 JOINT_BLOCKS = {"attention": joint_attention_block, "delta": joint_delta_block}
 
 
+def fed_parts(feeds: dict) -> tuple[str, ...]:
+    """The JOINT_PREFIXES of the parts a joint pass's feeds hold, in order."""
+    return tuple(p for p in JOINT_PREFIXES if p + "input_ids" in feeds)
+
+
 def joint_body(
     module: LanguagePass, feeds: dict, blocks: dict | None = None
 ) -> dict[str, torch.Tensor]:
@@ -683,9 +688,7 @@ def joint_body(
     bq = valid_q.shape[0]
     mask_q = rows_mask(feeds["prefix_mask"], per_row(feeds["src_mask"], src, bq), own_q)
     rows, attending, carrying = [h_q.flatten(0, 1)], [], []
-    for prefix in JOINT_PREFIXES:
-        if prefix + "input_ids" not in feeds:
-            break
+    for prefix in fed_parts(feeds):
         h_o, cos_o, sin_o, valid_o, own_o = rows_inputs(module, feeds, prefix)
         opt_src = feeds[prefix + "src"]
         rows.append(h_o.flatten(0, 1))
