@@ -865,18 +865,25 @@ def cold_start(engines: Path) -> dict:
         if label == "without_caches":
             shutil.rmtree(engines / "torch", ignore_errors=True)
         started = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-u", __file__, "coldstart", str(engines), *sys.argv[2:]],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **COLD_LOGS},
-        )
-        (OUT / f"cold-{label}.log").write_text(done.stdout + "\n" + done.stderr[-COLD_LOG_CHARS:])
+        errors = OUT / f"cold-{label}.log"  # written as it goes: kept if the call's limit cuts it
+        with errors.open("w") as stderr:
+            done = subprocess.run(
+                [sys.executable, "-u", __file__, "coldstart", str(engines), *sys.argv[2:]],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env={**os.environ, **COLD_LOGS},
+            )
+        text = errors.read_text()
+        tail = text[-COLD_LOG_CHARS:]
+        aot_lines = [line[:600] for line in text.splitlines() if "aot:" in line]
+        errors.write_text(done.stdout + "\n" + tail)
         result[label] = {
             "seconds": time.perf_counter() - started,
             "exit": done.returncode,
             "inner": done.stdout.strip().splitlines()[-2:] if done.stdout else [],
-            "stderr_tail": done.stderr[-1500:] if done.returncode else "",
+            "stderr_tail": tail[-1500:] if done.returncode else "",
+            "aot_lines": aot_lines,
         }
         log(f"cold start {label}: {result[label]['seconds']:.1f} s (exit {done.returncode})")
     return result

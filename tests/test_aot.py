@@ -95,8 +95,26 @@ def test_the_backend_compiles_its_blocks_ahead_of_time_only_when_asked(monkeypat
     monkeypatch.setenv(aot.AOT_DIR_ENV, str(tmp_path))
     # the block sets Dynamo's specialize_float; its own patch puts it back (monkeypatch would
     # delete the config entry on undo)
-    with torch._dynamo.config.patch(specialize_float=False):
+    with torch._dynamo.config.patch(specialize_float=False, enable_aot_compile=False):
         made = compiled.compiled_block("b", block)
-        assert torch._dynamo.config.specialize_float
+        # torch 2.11 gives a compiled function `aot_compile` only with enable_aot_compile on
+        assert torch._dynamo.config.specialize_float and torch._dynamo.config.enable_aot_compile
+        assert hasattr(made.compiler, "aot_compile")
     assert isinstance(made, aot.AheadOfTimeBlock) and made.folder == tmp_path
     assert not torch._dynamo.config.specialize_float
+
+
+def test_the_custom_ops_a_saved_block_calls_are_registered_without_tracing():
+    """A loaded block calls the model's ops by name before anything traces the model (on the
+    H200 the fla core's op was missing): importing the ahead-of-time module registers them."""
+    code = (
+        "import torch, runtime.backends.aot; "
+        "print(all(hasattr(torch.ops.omnijev, op) for op in "
+        "('fla_gated_delta', 'option_rows_gated_delta', 'floored_linear')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"

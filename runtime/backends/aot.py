@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+# a saved graph calls the model's custom ops by name, and nothing registers them when no block
+# is traced: the fla core's op was missing on the H200 (docs/measurements/h200-2026-12-02e)
+from runtime.model import gdn_kernels, layers  # noqa: F401
+
 log = logging.getLogger("omnijev.aot")
 
 AOT_ENV = "OMNIJEV_AOT_BLOCKS"  # "1": the torch backend's blocks compiled and saved ahead of time
@@ -31,7 +35,9 @@ def enabled() -> bool:
 
 def supported() -> bool:
     """Whether this torch has Dynamo's ahead-of-time compile (experimental in torch 2.13)."""
-    return hasattr(torch.compiler, "load_compiled_function")
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(
+        torch._dynamo.config, "enable_aot_compile"
+    )
 
 
 class AheadOfTimeBlock:
@@ -44,6 +50,9 @@ class AheadOfTimeBlock:
         # floats as constants: Dynamo's float tensorification restarts its analysis, which an
         # ahead-of-time compile does not take (TensorifyScalarRestartAnalysis)
         torch._dynamo.config.specialize_float = True
+        # torch 2.11 has the API but hands a compiled function its `aot_compile` only with this
+        # on (torch 2.13 has it on by default)
+        torch._dynamo.config.enable_aot_compile = True
         self.compiler = torch.compile(function, fullgraph=True, dynamic=True)
         self.fallback: Callable | None = None
         self.entries = self.load()
