@@ -7,7 +7,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
                                            # invariance; vision enqueue; heads on GPU and CPU;
                                            # memory; profile; the reference with fla-core; parity
     python scripts/gpu_torch.py cold       # cold start with and without the engine caches
-    python scripts/gpu_torch.py serve      # omnijev serve + 8-client load test; host profiles
+    python scripts/gpu_torch.py serve      # omnijev serve + 8-client load test (prefix cache
+                                           # off; --prefix-cache keeps it); host profiles
     python scripts/gpu_torch.py waits --tiny   # where the host waits for the device
     python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
     python scripts/gpu_torch.py parity     # build when missing; float32 parity alone
@@ -1131,10 +1132,21 @@ def parity_session() -> None:
     summarise(report)
 
 
+def server_environment() -> dict:
+    """The server's environment: this one's, the compile logs, the prefix cache off unless
+    `--prefix-cache` (a previous round ran with it on by mistake: h200-2026-12-02d)."""
+    env = {**os.environ, **COLD_LOGS}
+    if "--prefix-cache" not in sys.argv:
+        env["OMNIJEV_PREFIX_CACHE"] = "0"
+    return env
+
+
 def served(engines: Path, report: dict) -> None:
     """`omnijev serve` on the 4b (default backend, warmed on the bench workloads), then
     tools.loadtest: one client, then LOAD_CLIENTS closed-loop clients on the 12-question
-    request; the server's log tail goes into the report."""
+    request; the server's log tail goes into the report. The prefix cache is off (the issue's
+    check: every request sends the same image, so a cache would skip vision and the prefix;
+    `--prefix-cache` keeps the worker's default)."""
     from tools import bench
 
     image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
@@ -1159,10 +1171,11 @@ def served(engines: Path, report: dict) -> None:
         *warm,
     ]
     log_path = WORK / "server.log"
+    report["prefix_cache"] = server_environment().get("OMNIJEV_PREFIX_CACHE", "default")
     started = time.perf_counter()
     with open(log_path, "wb") as server_log:
         server = subprocess.Popen(
-            command, stdout=server_log, stderr=subprocess.STDOUT, env={**os.environ, **COLD_LOGS}
+            command, stdout=server_log, stderr=subprocess.STDOUT, env=server_environment()
         )
     try:
         report["ready_s"] = wait_ready(f"http://127.0.0.1:{port}/health", server, started)
