@@ -379,21 +379,29 @@ def option_probabilities(logit: np.ndarray, abstain: np.floating, type_id: int) 
     return softmax(np.append(logit, abstain).astype(np.float32))[:-1]
 
 
+def option_sums(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each option's float32 sum of its log-probabilities, added left to right as the
+    reference's index_add does: all options at once, one row each (cumsum is sequential), the
+    rows padded with -0.0, which leaves every float32 sum as it is (0.0 would turn -0.0 into
+    0.0). An empty option's row sums to -0.0."""
+    padded = np.full((sizes.size, max(int(sizes.max()), 1)), -0.0, np.float32)
+    padded[np.arange(padded.shape[1]) < sizes[:, None]] = values
+    return np.cumsum(padded, axis=1, dtype=np.float32)[:, -1]
+
+
 def lm_features(picked: Sequence[np.ndarray], first: Sequence[float | None]) -> np.ndarray:
     """The six LM features [K, 6] of one question's options (contract §6.2), float32."""
     k = len(picked)
     if k == 0 or len(first) != k:
         raise ExecutionError("invalid head input")
-    sums = np.zeros(k, np.float32)
-    counts = np.zeros(k, np.float32)
-    for i, values in enumerate(picked):
-        values = np.asarray(values, dtype=np.float32).reshape(-1)
-        if not np.all(np.isfinite(values)):
-            raise ExecutionError("invalid head input")
-        if values.size:  # index_add order: float32 adds left to right (cumsum is sequential)
-            sums[i] = np.cumsum(values, dtype=np.float32)[-1]
-        counts[i] = np.float32(values.size)
+    rows = [np.asarray(values, dtype=np.float32).reshape(-1) for values in picked]
+    sizes = np.array([row.size for row in rows])
+    values = np.concatenate(rows)
+    if not np.all(np.isfinite(values)):
+        raise ExecutionError("invalid head input")
+    counts = sizes.astype(np.float32)
     valid = counts > 0
+    sums = np.where(valid, option_sums(values, sizes), np.float32(0))
     mean = np.where(valid, sums / np.maximum(counts, np.float32(1)), np.float32(0))
     dist = log_softmax(np.where(valid, sums, EMPTY_SUM).astype(np.float32))
     firsts = np.array([0.0 if f is None else f for f in first], dtype=np.float32)

@@ -66,6 +66,35 @@ def test_plain_noul_features_are_zero() -> None:
     assert lm_features([np.zeros(0, np.float32)], [None]).tolist() == [[0.0] * 6]
 
 
+def per_option_sums(picked: list[np.ndarray]) -> np.ndarray:
+    """The features' sums one option at a time, left to right (the form `option_sums`
+    replaced)."""
+    sums = np.zeros(len(picked), np.float32)
+    for i, values in enumerate(picked):
+        if values.size:
+            sums[i] = np.cumsum(values, dtype=np.float32)[-1]
+    return sums
+
+
+def test_features_sum_each_option_as_alone() -> None:
+    """All options summed at once give each option the bytes of its own left-to-right sum:
+    signed zeros, empty options, long and short ones, tiny and large values."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        picked = []
+        for _ in range(int(rng.integers(1, 40))):
+            values = -rng.exponential(rng.choice([1e-3, 1.0, 30.0]), int(rng.integers(0, 12)))
+            values = values.astype(np.float32)
+            if values.size and rng.random() < 0.2:
+                values[rng.integers(0, values.size)] = -0.0
+            if values.size and rng.random() < 0.1:
+                values[:] = rng.choice([-0.0, 0.0])
+            picked.append(values)
+        first = [None if rng.random() < 0.3 else float(rng.normal()) for _ in picked]
+        feats = lm_features(picked, first)
+        assert feats[:, 0].tobytes() == (per_option_sums(picked) / np.float32(10)).tobytes()
+
+
 @pytest.mark.parametrize(
     ("picked", "first"),
     [([], []), ([np.zeros(1)], []), ([np.array([np.nan])], [None]), ([np.zeros(1)], [np.inf])],
