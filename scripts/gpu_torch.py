@@ -866,8 +866,8 @@ def cold_start(engines: Path) -> dict:
         if label == "without_caches":
             shutil.rmtree(engines / "torch", ignore_errors=True)
         started = time.perf_counter()
-        errors = OUT / f"cold-{label}.log"  # written as it goes: kept if the call's limit cuts it
-        with errors.open("w") as stderr:
+        log_file = OUT / f"cold-{label}.log"  # written as it goes: kept if the call is cut
+        with log_file.open("w") as stderr:
             done = subprocess.run(
                 [sys.executable, "-u", __file__, "coldstart", str(engines), *sys.argv[2:]],
                 stdout=subprocess.PIPE,
@@ -875,10 +875,10 @@ def cold_start(engines: Path) -> dict:
                 text=True,
                 env={**os.environ, **COLD_LOGS},
             )
-        text = errors.read_text()
+        text = log_file.read_text()
         tail = text[-COLD_LOG_CHARS:]
         aot_lines = [line[:600] for line in text.splitlines() if "aot:" in line]
-        errors.write_text(done.stdout + "\n" + tail)
+        log_file.write_text(done.stdout + "\n" + tail)
         result[label] = {
             "seconds": time.perf_counter() - started,
             "exit": done.returncode,
@@ -1171,12 +1171,11 @@ def served(engines: Path, report: dict) -> None:
         *warm,
     ]
     log_path = WORK / "server.log"
-    report["prefix_cache"] = server_environment().get("OMNIJEV_PREFIX_CACHE", "default")
+    env = server_environment()
+    report["prefix_cache"] = env.get("OMNIJEV_PREFIX_CACHE", "default")
     started = time.perf_counter()
     with open(log_path, "wb") as server_log:
-        server = subprocess.Popen(
-            command, stdout=server_log, stderr=subprocess.STDOUT, env=server_environment()
-        )
+        server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=env)
     try:
         report["ready_s"] = wait_ready(f"http://127.0.0.1:{port}/health", server, started)
         log(f"server ready in {report['ready_s']:.1f} s")

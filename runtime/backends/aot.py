@@ -34,7 +34,8 @@ def enabled() -> bool:
 
 
 def supported() -> bool:
-    """Whether this torch has Dynamo's ahead-of-time compile (experimental in torch 2.13)."""
+    """Whether this torch has Dynamo's ahead-of-time compile (experimental in torch 2.11 and
+    2.13) and its switch (`enable_aot_compile`, which the block turns on)."""
     return hasattr(torch.compiler, "load_compiled_function") and hasattr(
         torch._dynamo.config, "enable_aot_compile"
     )
