@@ -6,7 +6,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py final      # build; crossover; device resize; latency;
                                            # invariance; vision enqueue; heads on GPU and CPU;
                                            # memory; profile; the reference with fla-core; parity
-    python scripts/gpu_torch.py cold       # cold start with and without the engine caches
+    python scripts/gpu_torch.py cold       # cold start with and without the engine caches,
+                                           # and whether both starts answered alike
     python scripts/gpu_torch.py serve      # omnijev serve + 8-client load test (prefix cache
                                            # off; --prefix-cache keeps it); host profiles
     python scripts/gpu_torch.py waits --tiny   # where the host waits for the device
@@ -887,6 +888,22 @@ def cold_start(engines: Path) -> dict:
             "aot_lines": aot_lines,
         }
         log(f"cold start {label}: {result[label]['seconds']:.1f} s (exit {done.returncode})")
+    return same_answers(result)
+
+
+def same_answers(result: dict) -> dict:
+    """The warm-up answers' digests of each start (kept in WORK across the two calls of
+    `--only-without` and `--only-with`), and whether the starts answered alike."""
+    kept = WORK / "cold-answers.json"
+    digests = json.loads(kept.read_text()) if kept.is_file() else {}
+    for label, run in result.items():
+        for line in run["inner"]:
+            if '"answers"' in line:
+                digests[label] = json.loads(line)["answers"]
+    kept.write_text(json.dumps(digests))
+    result["answers"] = digests
+    if len(digests) == 2:
+        result["same_answers"] = digests["without_caches"] == digests["with_caches"]
     return result
 
 
@@ -905,7 +922,9 @@ def coldstart(engines: str) -> None:
     Executor.answer = compile_steps(Executor.answer, steps)
     record = build_torch_artifacts(WORK / f"{PRESET}-export", engines, "bfloat16", warm)
     print(json.dumps({"ready_s": time.perf_counter() - started, "artifacts": record}))
-    print(json.dumps({"compile_steps": steps, "compile_times": compile_times()}))
+    digests = [step.pop("answer") for step in steps]
+    times = compile_times()
+    print(json.dumps({"compile_steps": steps, "compile_times": times, "answers": digests}))
 
 
 def compile_steps(answer, steps: list):
@@ -923,16 +942,24 @@ def compile_steps(answer, steps: list):
         }
 
     def wrapped(self, body: bytes) -> dict:
+        from tools import bench
+
         before, at = counted(), time.perf_counter()
         captured = sum(s["captured"] for s in self.backend.stats().values())
         print(f"== warm-up request {len(steps)}", file=sys.stderr, flush=True)
+        made = None
         try:
-            return answer(self, body)
+            made = answer(self, body)
+            return made
         finally:
             after = counted()
             step = {k: after[k] - before[k] for k in after}
             step["captures"] = sum(s["captured"] for s in self.backend.stats().values()) - captured
             step["seconds"] = round(time.perf_counter() - at, 2)
+            # the answer's bytes without its latencies: a start that loads the saved blocks
+            # must answer as one that compiled them (cold_start compares the two)
+            text = json.dumps(bench.without_latency(made), sort_keys=True) if made else ""
+            step["answer"] = hashlib.sha256(text.encode()).hexdigest()[:16]
             steps.append(step)
             print(f"== done {step}", file=sys.stderr, flush=True)
 
