@@ -117,10 +117,8 @@ class Executor:
         laps.append(time.perf_counter())
         try:
             self.load_components(Path(checkpoint), Path(engines), config, laps)
-        except BaseException:
+        finally:
             verifying.result()
-            raise
-        verifying.result()
         laps.append(time.perf_counter())
         # where a start spends its time (logged; the cold-start records keep it)
         steps = ("export check", "tokenizer and heads", "engine check", "backend", "hash wait")

@@ -277,8 +277,6 @@ def _checked_tokenizer(path: str, size: int, mtime_ns: int, inode: int) -> tuple
     """(tokenizer, None) or (None, the problem). Loading takes about a second (the executor
     used to load the file again after this check), so a file unchanged since its last check
     is not reloaded."""
-    from tokenizers import Tokenizer
-
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as error:  # tokenizers raises a bare Exception for malformed files

@@ -622,6 +622,11 @@ def check_grid(height: int, width: int, channels: int) -> tuple[int, int]:
     return height // PATCH, width // PATCH
 
 
+def resized_grid(size: tuple[int, int]) -> tuple[int, int, int]:
+    """The patch grid (1, H/16, W/16) of an image resized to `size` (height, width)."""
+    return (1, *check_grid(*size, 3))
+
+
 def normalize_and_pack(rgb: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
     """Normalized float32 patches [patches, 1536] of a resized uint8 [H, W, 3], and the grid.
 
@@ -694,7 +699,7 @@ def prepare_image(
     if pack:
         pixel_values, grid_thw = normalize_and_pack(resized)
     else:
-        pixel_values, grid_thw = None, (1, *check_grid(*size, 3))
+        pixel_values, grid_thw = None, resized_grid(size)
     return PreparedImage(
         width=width,
         height=height,

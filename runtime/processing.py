@@ -20,7 +20,15 @@ from tokenizers import Tokenizer
 from runtime.constants import CLOSE_ID, IMAGE_PAD_ID, OPEN_ID, VISION_END_ID
 from runtime.errors import ContractError
 from runtime.lru import LRU
-from runtime.types import Prepared, PreparedImage, Question, QuestionLayout, Request, Row
+from runtime.types import (
+    Prepared,
+    PreparedImage,
+    Question,
+    QuestionLayout,
+    Request,
+    Row,
+    grid_tokens,
+)
 
 IMAGE_PAD = "<|image_pad|>"
 # The chat template's rendering of one user message [image, instructions] with the generation
@@ -436,15 +444,10 @@ def start_image(request: Request, pack: bool = True, resize: bool = True) -> Fut
 def header_grid(request: Request) -> tuple[int, int, int]:
     """The patch grid (1, H/16, W/16) from the open header's size, as the decoded image will
     give (`runtime.images.prepare_image`): the image run's length and the positions follow."""
-    from runtime.images import check_grid, smart_resize
+    from runtime.images import resized_grid, smart_resize
 
     width, height = request.opened.size
-    return (1, *check_grid(*smart_resize(height, width), 3))
-
-
-def grid_tokens(grid_thw: tuple[int, int, int]) -> int:
-    """Image tokens of a patch grid: one per 2×2 block (PreparedImage.image_tokens)."""
-    return (grid_thw[1] // 2) * (grid_thw[2] // 2)
+    return resized_grid(smart_resize(height, width))
 
 
 def lay_out(

@@ -54,7 +54,12 @@ class PreparedImage:
 
     @property
     def image_tokens(self) -> int:
-        return (self.grid_thw[1] // 2) * (self.grid_thw[2] // 2)
+        return grid_tokens(self.grid_thw)
+
+
+def grid_tokens(grid_thw: tuple[int, int, int]) -> int:
+    """Image tokens of a patch grid: one per 2×2 block of patches."""
+    return (grid_thw[1] // 2) * (grid_thw[2] // 2)
 
 
 @dataclass(frozen=True)

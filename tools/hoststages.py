@@ -236,10 +236,11 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
     from runtime.processing import prepare
     from runtime.strict_json import parse_body
 
+    # the plan made while the image decodes, as Executor.prepare makes it, where prepare can
+    # (asked before the clock starts: not part of a request's time)
+    planner = {"planner": plan} if "planner" in inspect.signature(prepare).parameters else {}
     started = TIMERS["total"]()
     request = compile_request(parse_body(body))
-    # the plan made while the image decodes, as Executor.prepare makes it, where prepare can
-    planner = {"planner": plan} if "planner" in inspect.signature(prepare).parameters else {}
     if pack:
         prepared = prepare(request, tokenizer, **planner)
     else:
@@ -263,8 +264,6 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
 
 def can_unpack() -> bool:
     """Whether this runtime's `prepare` can leave the resize and the patches to the device."""
-    import inspect
-
     from runtime.processing import prepare
 
     return "resize" in inspect.signature(prepare).parameters
