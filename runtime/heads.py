@@ -8,7 +8,9 @@ LM features of `lm_option_feats` / `branch.py`; weights come from the export's `
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,6 +20,8 @@ import torch
 
 from runtime.errors import ExecutionError
 from runtime.types import TYPE_IDS, QuestionReadout
+
+log = logging.getLogger("omnijev.heads")
 
 HIDDEN = 2560  # Qwen3.5-4B hidden size (contract §6.1)
 N_FEATS = 6  # LM features per option (contract §6.2)
@@ -256,9 +260,14 @@ class Heads:
     def use_device(self, device: torch.device | str) -> bool:
         """Run the four D-wide MLPs on `device` from now on, if it gives a row the same bytes
         in any product and agrees with the host (DeviceMLPs.usable); whether it does."""
-        mlps = DeviceMLPs(self, torch.device(device))
-        self.device_mlps = mlps if mlps.usable() else None
-        return self.device_mlps is not None
+        try:
+            mlps = DeviceMLPs(self, torch.device(device))
+            usable = mlps.usable()
+        except RuntimeError as error:  # a graph the device would not capture, say
+            log.warning("heads: the device's MLPs failed (%s)", error)
+            usable = False
+        self.device_mlps = mlps if usable else None
+        return usable
 
     @classmethod
     def from_safetensors(cls, path: str | Path, hidden: int | None = None) -> Heads:
@@ -492,7 +501,9 @@ def questions_mu(
 
 class DeviceMLPs:
     """The heads' MLPs of FIRST_LINEAR_ORDER (Linear → exact GELU → Linear, float32) on a
-    device, in products of DEVICE_ROWS rows; GELU in float64 as `gelu` on the host."""
+    device, in products of DEVICE_ROWS rows; GELU in float64 as `gelu` on the host. On CUDA each
+    MLP's DEVICE_ROWS-row product is a CUDA graph, and a request's rows go up in one pinned
+    buffer and come back in another, with one wait (GRAPHED_MLPS)."""
 
     def __init__(self, heads: Heads, device: torch.device):
         self.heads = heads
@@ -509,6 +520,9 @@ class DeviceMLPs:
         }
         if self.stream is not None:  # the weights were copied on the default stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.lock = threading.Lock()  # the graphs' and pinned buffers' one user at a time
+        self.graphs = self.captured() if cuda else {}
+        self.pinned: dict[str, torch.Tensor] = {}
 
     def streamed(self):
         """The context that puts work on the MLPs' own stream (none on the CPU)."""
@@ -529,27 +543,83 @@ class DeviceMLPs:
     def mlp(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.dense(f"{name}.2", exact_gelu(self.dense(f"{name}.0", x)))
 
+    def captured(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph]]:
+        """Each MLP on one DEVICE_ROWS-row product as a CUDA graph: {name: (its input, its
+        output, the graph)}; the kernels of `mlp`'s, so the same bytes."""
+        graphs = {}
+        with torch.inference_mode(), self.streamed():
+            for name in FIRST_LINEAR_ORDER:
+                x = torch.zeros(DEVICE_ROWS, self.heads.hidden, device=self.device)
+                self.mlp(name, x)  # cuBLAS loads its kernels and workspace outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.stream):
+                    y = self.mlp(name, x)
+                graphs[name] = (x, y, graph)
+        self.stream.synchronize()
+        return graphs
+
     def run(self, wanted: list[dict], made: list[dict]) -> None:
         """Each MLP over every question's rows that want it (`Heads.first_inputs`), into
-        `made[i][name]`: one upload and one download per MLP."""
-        with self.streamed():
-            self._run(wanted, made)
-
-    def _run(self, wanted: list[dict], made: list[dict]) -> None:
-        outputs = []
+        `made[i][name]`."""
+        batches = []
         for name in FIRST_LINEAR_ORDER:
             owners = [(i, inputs[name]) for i, inputs in enumerate(wanted) if name in inputs]
-            if not owners:
-                continue
-            rows = np.concatenate([x for _, x in owners]).astype(np.float32, copy=False)
-            x = torch.from_numpy(rows).to(self.device, non_blocking=False)
-            outputs.append((name, owners, self.mlp(name, x)))
-        for name, owners, result in outputs:
-            values = result.cpu().numpy()
+            if owners:
+                rows = np.concatenate([x for _, x in owners]).astype(np.float32, copy=False)
+                batches.append((name, owners, rows))
+        results = self.apply([(name, rows) for name, _, rows in batches])
+        for (name, owners, _), values in zip(batches, results, strict=True):
             at = 0
             for i, x in owners:
                 made[i][name] = values[at : at + x.shape[0]]
                 at += x.shape[0]
+
+    def apply(self, batches: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """Each (MLP name, host rows [N, D]) through its MLP: the outputs on the host."""
+        with self.lock, torch.inference_mode(), self.streamed():
+            if self.graphs:
+                return self.replayed(batches)
+            return [
+                self.mlp(name, torch.from_numpy(rows).to(self.device)).cpu().numpy()
+                for name, rows in batches
+            ]
+
+    def replayed(self, batches: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """`apply` by the graphs: every input row into one pinned buffer (zero rows fill each
+        MLP's last product), each product copied in, replayed and copied out on the MLPs'
+        stream, one wait at the end."""
+        spans, at = [], 0
+        for name, rows in batches:
+            padded = -(-rows.shape[0] // DEVICE_ROWS) * DEVICE_ROWS
+            spans.append((at, padded, self.graphs[name][1].shape[1]))
+            at += padded
+        inputs = self.buffer("in", at * self.heads.hidden).view(at, self.heads.hidden)
+        outputs = self.buffer("out", sum(p * width for _, p, width in spans))
+        host_inputs = inputs.numpy()
+        out_at = 0
+        views = []
+        for (name, rows), (start, padded, width) in zip(batches, spans, strict=True):
+            host_inputs[start : start + rows.shape[0]] = rows
+            host_inputs[start + rows.shape[0] : start + padded] = 0
+            x, y, graph = self.graphs[name]
+            out = outputs[out_at : out_at + padded * width].view(padded, width)
+            for piece in range(0, padded, DEVICE_ROWS):
+                x.copy_(inputs[start + piece : start + piece + DEVICE_ROWS], non_blocking=True)
+                graph.replay()
+                out[piece : piece + DEVICE_ROWS].copy_(y, non_blocking=True)
+            views.append(out[: rows.shape[0]])
+            out_at += padded * width
+        self.stream.synchronize()
+        return [view.numpy().copy() for view in views]  # the buffers serve the next request
+
+    def buffer(self, name: str, size: int) -> torch.Tensor:
+        """A pinned float32 host buffer of at least `size` elements, kept for later calls."""
+        held = self.pinned.get(name)
+        if held is None or held.numel() < size:
+            held = torch.empty(max(size, 2 * (0 if held is None else held.numel())),
+                               dtype=torch.float32, pin_memory=True)  # fmt: skip
+            self.pinned[name] = held
+        return held[:size]
 
     def usable(self) -> bool:
         """Whether every MLP gives a row the same bytes whatever the other rows of its product
@@ -558,19 +628,19 @@ class DeviceMLPs:
         if self.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
             return False
         generator = torch.Generator().manual_seed(0)
-        with torch.inference_mode(), self.streamed():
-            for name in FIRST_LINEAR_ORDER:
-                x = torch.randn(STACK_CHECK_ROWS, self.heads.hidden, generator=generator)
-                on_device = functools.partial(self.mlp_on_host_rows, name)
-                if not same_rows(on_device, x):
-                    return False
+        for name in FIRST_LINEAR_ORDER:
+            x = torch.randn(STACK_CHECK_ROWS, self.heads.hidden, generator=generator)
+            on_device = functools.partial(self.mlp_on_host_rows, name)
+            if not same_rows(on_device, x):
+                return False
+            with torch.inference_mode():
                 host = torch.from_numpy(self.heads._mlp(name, x[:DEVICE_ROWS].numpy()))
-                if not torch.allclose(
-                    on_device(x[:DEVICE_ROWS]), host, rtol=DEVICE_TOLERANCE, atol=DEVICE_TOLERANCE
-                ):
-                    return False
+            if not torch.allclose(
+                on_device(x[:DEVICE_ROWS]), host, rtol=DEVICE_TOLERANCE, atol=DEVICE_TOLERANCE
+            ):
+                return False
         return True
 
     def mlp_on_host_rows(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """`mlp` of host rows, back on the host."""
-        return self.mlp(name, x.to(self.device)).cpu()
+        """The MLP of host rows as a request's rows go (`apply`), back on the host."""
+        return torch.from_numpy(self.apply([(name, x.numpy())])[0])

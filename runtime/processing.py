@@ -7,6 +7,7 @@ template's ids are made once per tokenizer, and the image decodes on its own thr
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -237,15 +238,24 @@ def mrope_positions(
     n_image = rows * cols
     if image_start + n_image > len(ids):
         raise ContractError(PLACEHOLDER_ERROR)
-    text_after = len(ids) - image_start - n_image
     resume = image_start + max(rows, cols)  # text after the image continues from here
-    before = np.arange(image_start, dtype=np.int64)
-    after = resume + np.arange(text_after, dtype=np.int64)
-    image = np.empty((3, n_image), dtype=np.int64)
-    image[0] = image_start
-    image[1] = image_start + np.repeat(np.arange(rows, dtype=np.int64), cols)
-    image[2] = image_start + np.tile(np.arange(cols, dtype=np.int64), rows)
-    return np.concatenate([np.tile(before, (3, 1)), image, np.tile(after, (3, 1))], axis=1)
+    positions = np.empty((3, len(ids)), dtype=np.int64)
+    positions[:, :image_start] = np.arange(image_start, dtype=np.int64)
+    positions[:, image_start : image_start + n_image] = image_block(rows, cols) + image_start
+    after = len(ids) - image_start - n_image
+    positions[:, image_start + n_image :] = resume + np.arange(after, dtype=np.int64)
+    return positions
+
+
+@functools.lru_cache(maxsize=16)
+def image_block(rows: int, cols: int) -> np.ndarray:
+    """The image run's (T, H, W) offsets from its start, row-major over the merged patches: a
+    request's questions (and the next requests of the same size) share it, read-only."""
+    block = np.zeros((3, rows * cols), dtype=np.int64)
+    block[1] = np.repeat(np.arange(rows, dtype=np.int64), cols)
+    block[2] = np.tile(np.arange(cols, dtype=np.int64), rows)
+    block.flags.writeable = False
+    return block
 
 
 def sequence_positions(ids: Sequence[int], image: PreparedImage) -> np.ndarray:

@@ -1071,8 +1071,8 @@ def session(final: bool) -> None:
     if "--quick" not in sys.argv:
         attempt(report, "host_waits", host_waits, executor, workloads)
         attempt(report, "vision_enqueue", vision_enqueue, executor, workloads)
-        attempt(report, "heads_sites", heads_sites, executor, workloads)
         attempt(report, "heads_profile", heads_profile, executor, workloads)
+    attempt(report, "heads_sites", heads_sites, executor, workloads)  # the heads' CUDA graphs
     if final:
         attempt(report, "requests", whole_requests, executor, workloads)
     attempt(report, "peak_memory", peak_memory, executor, workloads)

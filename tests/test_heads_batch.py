@@ -161,3 +161,20 @@ def test_device_mlps_whose_rows_follow_their_neighbours_are_refused(monkeypatch)
     heads = random_heads(64)
     monkeypatch.setattr(torch.nn.functional, "linear", by_first_row)
     assert not heads.use_device("cpu")
+
+
+def test_device_mlps_that_fail_to_start_leave_the_heads_on_the_host(monkeypatch):
+    """A device whose MLPs raise while made (a graph it would not capture) is refused, and
+    the heads answer as before."""
+    from runtime.heads import DeviceMLPs
+
+    def fails(self, heads, device):
+        raise RuntimeError("capture refused")
+
+    heads, rng = random_heads(64), np.random.default_rng(4)
+    items = mixed(rng, 64, 3)
+    alone = [question_mu(heads, kind, r) for kind, r in items]
+    monkeypatch.setattr(DeviceMLPs, "__init__", fails)
+    assert not heads.use_device("cpu") and heads.device_mlps is None
+    together = questions_mu(heads, items)
+    assert [mu.tobytes() for mu in together] == [mu.tobytes() for mu in alone]

@@ -125,6 +125,53 @@ def test_every_filter_gives_pillows_bytes(mode, size):
         assert images.decode_rgb(data, "image/png").tobytes() == expected.tobytes()
 
 
+def test_pieces_start_only_where_no_row_above_is_read():
+    rng = np.random.default_rng(5)
+    for height, count in ((1, 4), (2, 2), (50, 3), (900, 8), (901, 16)):
+        filters = rng.choice(5, height, p=[0.02, 0.05, 0.4, 0.13, 0.4]).astype(np.uint8)
+        pieces = images.png_pieces(filters, 4801, count)
+        assert pieces[0][0] == 0 and pieces[-1][1] == height
+        bounds = [bound for piece in pieces for bound in piece]
+        assert bounds[1:-1:2] == bounds[2:-1:2]  # each piece stops where the next starts
+        assert all(filters[start] <= 1 for start, _ in pieces[1:])
+        assert len(pieces) <= count
+    # Sub rows everywhere: the cuts fall where the cost is shared evenly
+    filters = np.full(1000, 4, np.uint8)
+    filters[::10] = 1
+    pieces = images.png_pieces(filters, 4801, 8)
+    assert len(pieces) == 8 and max(stop - start for start, stop in pieces) <= 130
+    # only Up, Avg and Paeth below the first row: one piece, whatever the threads
+    assert images.png_pieces(np.full(1000, 4, np.uint8), 4801, 8) == [(0, 1000)]
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L"])
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_pieces_decoded_apart_give_pillows_bytes(mode, threads, monkeypatch):
+    monkeypatch.setattr(images, "PIECE_MIN_NS", 1)
+    monkeypatch.setattr(images, "DECODE_THREADS", threads)
+    rng = np.random.default_rng(threads)
+    for size in ((64, 64), (301, 97), (5, 40)):
+        pixels = pixels_of(rng, size, mode, smooth=True)
+        filters = rng.integers(0, 5, size[1]).tolist()
+        filters[size[1] // 3] = 1  # at least one row where a piece can start
+        data = hand_png(pixels, mode, filters)
+        stride = 1 + size[0] * COLOUR_TYPES[mode][1]
+        assert len(images.png_pieces(np.array(filters, np.uint8), stride, threads)) > 1
+        got = fast(data)
+        assert got is not None and got.tobytes() == pillow_rgb(data).tobytes()
+
+
+def test_the_bench_still_decodes_in_pieces_as_in_one():
+    from tools import bench
+
+    still = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
+    whole = pillow_rgb(still)
+    for threads in (1, 2, 8):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(images, "DECODE_THREADS", threads)
+            assert images.decode_rgb(still, "image/png").tobytes() == whole.tobytes()
+
+
 @pytest.mark.filterwarnings("ignore:Palette images with Transparency")
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "LA", "1", "I;16"])
 def test_pillow_written_pngs(mode):
