@@ -120,7 +120,10 @@ SCRATCH_BYTES = 16 * 1024 * 1024
 # decodes them on DECODE_THREADS threads (the bench still: 26 Sub rows, 0.34 ms in its costliest
 # piece against 2.1 ms in all). An image filtered by Up, Avg and Paeth alone stays one piece.
 FILTER_NS_PER_BYTE = np.array([0.06, 0.31, 0.07, 0.69, 2.4])
-DECODE_THREADS = min(8, len(os.sched_getaffinity(0)))  # the H200 host has 16 cores, CI 2
+# the bench still's decode on the H200's host (16 cores): 3.9 / 2.8 / 2.4 / 3.1 / 3.2 ms on
+# 1 / 2 / 4 / 8 / 16 threads; the 2-core CI machine: 2.6 / 1.6 / 2.1 ms on 1 / 2 / 4
+# (scripts/host_probe.py, docs/measurements/h200-2026-12-02f)
+DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))
 PIECE_MIN_NS = 250_000  # a thread hop costs ~20-50 µs: no piece is made for less than this
 
 BASE64_VALUES = {
