@@ -260,14 +260,14 @@ class Heads:
     def use_device(self, device: torch.device | str) -> bool:
         """Run the four D-wide MLPs on `device` from now on, if it gives a row the same bytes
         in any product and agrees with the host (DeviceMLPs.usable); whether it does."""
+        self.device_mlps = None
         try:
             mlps = DeviceMLPs(self, torch.device(device))
-            usable = mlps.usable()
+            if mlps.usable():
+                self.device_mlps = mlps
         except RuntimeError as error:  # a graph the device would not capture, say
             log.warning("heads: the device's MLPs failed (%s)", error)
-            usable = False
-        self.device_mlps = mlps if usable else None
-        return usable
+        return self.device_mlps is not None
 
     @classmethod
     def from_safetensors(cls, path: str | Path, hidden: int | None = None) -> Heads:
@@ -503,7 +503,7 @@ class DeviceMLPs:
     """The heads' MLPs of FIRST_LINEAR_ORDER (Linear → exact GELU → Linear, float32) on a
     device, in products of DEVICE_ROWS rows; GELU in float64 as `gelu` on the host. On CUDA each
     MLP's DEVICE_ROWS-row product is a CUDA graph, and a request's rows go up in one pinned
-    buffer and come back in another, with one wait (GRAPHED_MLPS)."""
+    buffer and come back in another, with one wait (`replayed`)."""
 
     def __init__(self, heads: Heads, device: torch.device):
         self.heads = heads
@@ -616,8 +616,8 @@ class DeviceMLPs:
         """A pinned float32 host buffer of at least `size` elements, kept for later calls."""
         held = self.pinned.get(name)
         if held is None or held.numel() < size:
-            held = torch.empty(max(size, 2 * (0 if held is None else held.numel())),
-                               dtype=torch.float32, pin_memory=True)  # fmt: skip
+            grown = max(size, 2 * held.numel()) if held is not None else size
+            held = torch.empty(grown, dtype=torch.float32, pin_memory=True)
             self.pinned[name] = held
         return held[:size]
 

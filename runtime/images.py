@@ -23,12 +23,12 @@ import threading
 import warnings
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from PIL import Image
 
 from runtime.errors import ContractError
+from runtime.pools import process_pool
 from runtime.types import PreparedImage
 
 DATA_URL_MIMES = {  # the only data-URL prefixes the worker's contract::image accepts
@@ -117,8 +117,8 @@ SCRATCH_BYTES = 16 * 1024 * 1024
 # 0.25 / 1.33 / 0.31 / 2.97 / 10.3 ms for 4.3 MB). A row filtered with None or Sub reads no row
 # above it, so the rows from one such row to the next decode on their own, with the bytes of one
 # decode: `png_pieces` cuts the image there into pieces of about equal cost, and `fast_png`
-# decodes them on DECODE_THREADS threads (the bench still: 26 Sub rows, 0.34 ms in its costliest
-# piece against 2.1 ms in all). An image filtered by Up, Avg and Paeth alone stays one piece.
+# decodes them on DECODE_THREADS threads (the bench still has 26 Sub rows among 900). An image
+# filtered by Up, Avg and Paeth alone stays one piece.
 FILTER_NS_PER_BYTE = np.array([0.06, 0.31, 0.07, 0.69, 2.4])
 # the bench still's decode on the H200's host (16 cores): 3.9 / 2.8 / 2.4 / 3.1 / 3.2 ms on
 # 1 / 2 / 4 / 8 / 16 threads; the 2-core CI machine: 2.6 / 1.6 / 2.1 ms on 1 / 2 / 4
@@ -457,23 +457,10 @@ def unfilter_pieces(
 
     if len(pieces) == 1:
         return piece(*pieces[0])
-    others = [decode_pool().submit(piece, *bounds) for bounds in pieces[1:]]
+    pool = process_pool("png", DECODE_THREADS)
+    others = [pool.submit(piece, *bounds) for bounds in pieces[1:]]
     first = piece(*pieces[0])
     return all([first, *(future.result() for future in others)])
-
-
-_decode_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, pool)
-_decode_pool_lock = threading.Lock()
-
-
-def decode_pool() -> ThreadPoolExecutor:
-    """The threads that decode a PNG's other pieces (a forked child makes its own)."""
-    global _decode_pool
-    with _decode_pool_lock:
-        if _decode_pool is None or _decode_pool[0] != os.getpid():
-            pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="omnijev-png")
-            _decode_pool = (os.getpid(), pool)
-        return _decode_pool[1]
 
 
 def idat_stream(data: bytes, position: int) -> bytes | None:

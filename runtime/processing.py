@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from runtime.constants import CLOSE_ID, IMAGE_PAD_ID, OPEN_ID, VISION_END_ID
 from runtime.errors import ContractError
 from runtime.lru import LRU
+from runtime.pools import process_pool
 from runtime.types import (
     Prepared,
     PreparedImage,
@@ -430,23 +431,13 @@ def prepare(
     )
 
 
-_image_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, pool)
-_image_pool_lock = threading.Lock()
-
-
 def start_image(request: Request, pack: bool = True, resize: bool = True) -> Future | None:
     """`prepare_image` on an image thread, for a request with the contract's open image."""
-    global _image_pool
     if request.opened is None:
         return None
     from runtime.images import prepare_image
 
-    with _image_pool_lock:
-        # a forked child inherits the pool but not its threads: it makes its own
-        if _image_pool is None or _image_pool[0] != os.getpid():
-            pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="omnijev-image")
-            _image_pool = (os.getpid(), pool)
-    return _image_pool[1].submit(
+    return process_pool("image", IMAGE_THREADS).submit(
         prepare_image, request.image_bytes, request.image_mime, request.opened, pack, resize
     )
 

@@ -36,7 +36,7 @@ def decode_probe() -> dict:
     inflate and the unfiltering alone."""
     from PIL import Image
 
-    from runtime import images
+    from runtime import images, pools
     from tools import bench
 
     still = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
@@ -63,7 +63,7 @@ def decode_probe() -> dict:
     result = {"inflate": median_ms(lambda: inflate(stream, height * stride))}
     for threads in DECODE_THREADS:
         images.DECODE_THREADS = threads
-        images._decode_pool = None  # a pool of this many threads
+        pools.forget("png")  # the next decode makes a pool of this many threads
         pieces = images.png_pieces(filters, stride, threads)
         same = images.decode_rgb(still, "image/png").tobytes() == reference
         result[f"threads {threads}"] = {
