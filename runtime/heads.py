@@ -265,7 +265,7 @@ class Heads:
             mlps = DeviceMLPs(self, torch.device(device))
             if mlps.usable():
                 self.device_mlps = mlps
-        except RuntimeError as error:  # a graph the device would not capture, say
+        except RuntimeError as error:  # a device that cannot run them
             log.warning("heads: the device's MLPs failed (%s)", error)
         return self.device_mlps is not None
 
@@ -378,6 +378,11 @@ class Heads:
         cdf[-1] = np.float32(1.0)
         p = np.concatenate([cdf[:1], cdf[1:] - cdf[:-1]])
         return _check_output(np.maximum(p, ORDINAL_FLOOR).astype(np.float32), u.shape[0])
+
+
+def product_rows(rows: int) -> int:
+    """Rows of the DEVICE_ROWS-row products that hold `rows` rows."""
+    return -(-rows // DEVICE_ROWS) * DEVICE_ROWS
 
 
 def option_probabilities(logit: np.ndarray, abstain: np.floating, type_id: int) -> np.ndarray:
@@ -501,11 +506,13 @@ def questions_mu(
 
 class DeviceMLPs:
     """The heads' MLPs of FIRST_LINEAR_ORDER (Linear → exact GELU → Linear, float32) on a
-    device, in products of DEVICE_ROWS rows; GELU in float64 as `gelu` on the host. On CUDA each
-    MLP's DEVICE_ROWS-row product is a CUDA graph, and a request's rows go up in one pinned
-    buffer and come back in another, with one wait (`replayed`)."""
+    device, in products of DEVICE_ROWS rows; GELU in float64 as `gelu` on the host. Each MLP's
+    product is a slot of `runtime.backends.graphs.GraphSlots` (a CUDA graph on CUDA), and a
+    request's rows go up in one host buffer and come back in another, with one wait (`apply`)."""
 
     def __init__(self, heads: Heads, device: torch.device):
+        from runtime.backends.graphs import GraphSlots
+
         self.heads = heads
         self.device = device
         # a stream of their own, non-blocking and of high priority: the worker runs a request's
@@ -520,9 +527,16 @@ class DeviceMLPs:
         }
         if self.stream is not None:  # the weights were copied on the default stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
-        self.lock = threading.Lock()  # the graphs' and pinned buffers' one user at a time
-        self.graphs = self.captured() if cuda else {}
-        self.pinned: dict[str, torch.Tensor] = {}
+        self.lock = threading.Lock()  # the slots' and host buffers' one user at a time
+        self.slots = GraphSlots(
+            device,
+            bind=self.bind,
+            launch=self.launch,
+            size=len(FIRST_LINEAR_ORDER),
+            capture=cuda,
+            stream=self.stream,
+        )
+        self.host: dict[str, torch.Tensor] = {}  # `buffer`'s, pinned on CUDA
 
     def streamed(self):
         """The context that puts work on the MLPs' own stream (none on the CPU)."""
@@ -532,31 +546,30 @@ class DeviceMLPs:
         """Linear `layer` on rows [N, in] of the device, in products of DEVICE_ROWS rows."""
         weight, bias = self.t[f"{layer}.weight"], self.t[f"{layer}.bias"]
         rows = x.shape[0]
-        padded = -(-rows // DEVICE_ROWS) * DEVICE_ROWS
-        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        x = torch.nn.functional.pad(x, (0, 0, 0, product_rows(rows) - rows))
         pieces = [
             torch.nn.functional.linear(x[at : at + DEVICE_ROWS], weight, bias)
-            for at in range(0, padded, DEVICE_ROWS)
+            for at in range(0, x.shape[0], DEVICE_ROWS)
         ]
         return torch.cat(pieces)[:rows]
 
     def mlp(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.dense(f"{name}.2", exact_gelu(self.dense(f"{name}.0", x)))
 
-    def captured(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph]]:
-        """Each MLP on one DEVICE_ROWS-row product as a CUDA graph: {name: (its input, its
-        output, the graph)}; the kernels of `mlp`'s, so the same bytes."""
-        graphs = {}
-        with torch.inference_mode(), self.streamed():
-            for name in FIRST_LINEAR_ORDER:
-                x = torch.zeros(DEVICE_ROWS, self.heads.hidden, device=self.device)
-                self.mlp(name, x)  # cuBLAS loads its kernels and workspace outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self.stream):
-                    y = self.mlp(name, x)
-                graphs[name] = (x, y, graph)
-        self.stream.synchronize()
-        return graphs
+    def bind(self, key: tuple, feeds: dict, outputs: dict):
+        """A slot for MLP `key[0]`: device buffers shaped as one product's rows in and out."""
+        from runtime.backends.graphs import Slot
+
+        def on_device(tensors: dict) -> dict:
+            return {
+                n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                for n, t in tensors.items()
+            }
+
+        return Slot(on_device(feeds), on_device(outputs), state=key[0])
+
+    def launch(self, slot) -> None:
+        slot.outputs["y"].copy_(self.mlp(slot.state, slot.inputs["x"]))
 
     def run(self, wanted: list[dict], made: list[dict]) -> None:
         """Each MLP over every question's rows that want it (`Heads.first_inputs`), into
@@ -575,50 +588,42 @@ class DeviceMLPs:
                 at += x.shape[0]
 
     def apply(self, batches: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-        """Each (MLP name, host rows [N, D]) through its MLP: the outputs on the host."""
+        """Each (MLP name, host rows [N, D]) through its MLP, the outputs on the host: every
+        input row into one host buffer (zero rows fill each MLP's last product), each product
+        through its slot on the MLPs' stream, one wait at the end."""
+        widths = [self.t[f"{name}.2.weight"].shape[0] for name, _ in batches]
+        sizes = [product_rows(rows.shape[0]) for _, rows in batches]
         with self.lock, torch.inference_mode(), self.streamed():
-            if self.graphs:
-                return self.replayed(batches)
-            return [
-                self.mlp(name, torch.from_numpy(rows).to(self.device)).cpu().numpy()
-                for name, rows in batches
-            ]
-
-    def replayed(self, batches: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-        """`apply` by the graphs: every input row into one pinned buffer (zero rows fill each
-        MLP's last product), each product copied in, replayed and copied out on the MLPs'
-        stream, one wait at the end."""
-        spans, at = [], 0
-        for name, rows in batches:
-            padded = -(-rows.shape[0] // DEVICE_ROWS) * DEVICE_ROWS
-            spans.append((at, padded, self.graphs[name][1].shape[1]))
-            at += padded
-        inputs = self.buffer("in", at * self.heads.hidden).view(at, self.heads.hidden)
-        outputs = self.buffer("out", sum(p * width for _, p, width in spans))
-        host_inputs = inputs.numpy()
-        out_at = 0
-        views = []
-        for (name, rows), (start, padded, width) in zip(batches, spans, strict=True):
-            host_inputs[start : start + rows.shape[0]] = rows
-            host_inputs[start + rows.shape[0] : start + padded] = 0
-            x, y, graph = self.graphs[name]
-            out = outputs[out_at : out_at + padded * width].view(padded, width)
-            for piece in range(0, padded, DEVICE_ROWS):
-                x.copy_(inputs[start + piece : start + piece + DEVICE_ROWS], non_blocking=True)
-                graph.replay()
-                out[piece : piece + DEVICE_ROWS].copy_(y, non_blocking=True)
-            views.append(out[: rows.shape[0]])
-            out_at += padded * width
-        self.stream.synchronize()
-        return [view.numpy().copy() for view in views]  # the buffers serve the next request
+            inputs = self.buffer("in", sum(sizes) * self.heads.hidden)
+            outputs = self.buffer("out", sum(n * w for n, w in zip(sizes, widths, strict=True)))
+            views, at, out_at = [], 0, 0
+            for (name, rows), size, width in zip(batches, sizes, widths, strict=True):
+                x = inputs[at * self.heads.hidden : (at + size) * self.heads.hidden]
+                x = x.view(size, self.heads.hidden)
+                x.numpy()[: rows.shape[0]] = rows
+                x.numpy()[rows.shape[0] :] = 0
+                y = outputs[out_at : out_at + size * width].view(size, width)
+                for piece in range(0, size, DEVICE_ROWS):
+                    rows_in, rows_out = (
+                        x[piece : piece + DEVICE_ROWS],
+                        y[piece : piece + DEVICE_ROWS],
+                    )
+                    self.slots.run((name,), {"x": rows_in}, {"y": rows_out})
+                views.append(y[: rows.shape[0]])
+                at, out_at = at + size, out_at + size * width
+            if self.stream is not None:
+                self.stream.synchronize()
+            return [view.numpy().copy() for view in views]  # the buffers serve the next call
 
     def buffer(self, name: str, size: int) -> torch.Tensor:
-        """A pinned float32 host buffer of at least `size` elements, kept for later calls."""
-        held = self.pinned.get(name)
+        """A float32 host buffer of at least `size` elements, pinned on CUDA, kept for later
+        calls."""
+        held = self.host.get(name)
         if held is None or held.numel() < size:
             grown = max(size, 2 * held.numel()) if held is not None else size
-            held = torch.empty(grown, dtype=torch.float32, pin_memory=True)
-            self.pinned[name] = held
+            pinned = self.device.type == "cuda"
+            held = torch.empty(grown, dtype=torch.float32, pin_memory=pinned)
+            self.host[name] = held
         return held[:size]
 
     def usable(self) -> bool:
