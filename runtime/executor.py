@@ -410,14 +410,8 @@ class Executor:
         return feeds
 
     def upload_ints(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """A pass's integer inputs in one host-to-device copy, then views of it by name."""
-        flat = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in arrays.values()]
-        device = self.tensor(np.concatenate(flat), torch.int64)
-        views, at = {}, 0
-        for (name, array), part in zip(arrays.items(), flat, strict=True):
-            views[name] = device[at : at + part.size].view(array.shape)
-            at += part.size
-        return views
+        """`upload_ints` to this executor's device."""
+        return upload_ints(arrays, self.device)
 
     def outputs(
         self, rows: Pass, arrays: dict[str, np.ndarray], with_state: bool, lend: bool = False
@@ -682,6 +676,18 @@ def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> to
     pinned = torch.empty(array.shape, dtype=kind, pin_memory=True)
     pinned.numpy()[...] = array
     return pinned.to(device, dtype, non_blocking=True)
+
+
+def upload_ints(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """A pass's integer inputs in one host-to-device copy (`to_device`), then views of it by
+    name."""
+    flat = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in arrays.values()]
+    uploaded = to_device(np.concatenate(flat), device, torch.int64)
+    views, at = {}, 0
+    for (name, array), part in zip(arrays.items(), flat, strict=True):
+        views[name] = uploaded[at : at + part.size].view(array.shape)
+        at += part.size
+    return views
 
 
 def host(t: torch.Tensor) -> np.ndarray:

@@ -55,6 +55,20 @@ FIRST_LINEAR_ORDER = ("head.que", "head.opt", "ord.z", "ord.cut")
 # `Heads.stackable` checks the property layer by layer on the machine at hand and keeps
 # per-question products where it does not hold.
 MIN_PRODUCT_ROWS = 4
+# A Linear with fewer outputs than this (the 1-wide score, abstain, feature and ordinal outputs)
+# runs as a product of this many, its weight's extra rows zero: MKL's matrix-vector kernel for
+# one output gave a row other bytes in products of other row counts, a 2-, 4- or 8-wide product
+# did not (16-wide did not hold; 2-core CI machine, MKL 2024.2). So those layers stack too, one
+# product for every question's rows; `Heads.stackable` still checks each on the machine at hand.
+NARROW_WIDTH = 4
+# Every Linear of the heads, for the row-invariance check (`Heads.stackable`)
+HEAD_LINEARS = (
+    *(f"{mlp}.{i}" for mlp in ("head.que", "head.opt", "ord.z", "ord.cut") for i in (0, 2)),
+    "head.feat",
+    "head.score",
+    "head.feat_lin",
+    "head.abstain",
+)
 # the rows (sub-products at offsets) that check checks against one product of STACK_CHECK_ROWS
 STACK_CHECK_ROWS = 320
 STACK_CHECK_SIZES = (4, 5, 7, 8, 13, 16, 33, 64, 255)
@@ -238,20 +252,25 @@ class Heads:
                 raise ValueError(f"heads: {name} is not finite")
             self.w[name] = np.ascontiguousarray(array)
         self.t = {name: torch.from_numpy(array) for name, array in self.w.items()}
+        self.products = {layer: self.product_weights(layer) for layer in HEAD_LINEARS}
         self.device_mlps: DeviceMLPs | None = None  # use_device
-        self.stackable = frozenset(
-            layer
-            for mlp in FIRST_LINEAR_ORDER
-            for layer in (f"{mlp}.0", f"{mlp}.2")
-            if self.rows_invariant(layer)
-        )
+        self.stackable = frozenset(layer for layer in HEAD_LINEARS if self.rows_invariant(layer))
+
+    def product_weights(self, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Linear `layer`'s (weight, bias) as its products use them: at least NARROW_WIDTH
+        outputs, zero rows filling the rest."""
+        weight, bias = self.t[f"{layer}.weight"], self.t[f"{layer}.bias"]
+        missing = NARROW_WIDTH - weight.shape[0]
+        if missing <= 0:
+            return weight, bias
+        weight = torch.cat([weight, weight.new_zeros(missing, weight.shape[1])])
+        return weight, torch.cat([bias, bias.new_zeros(missing)])
 
     def rows_invariant(self, layer: str) -> bool:
         """Whether Linear `layer` gives a row the same bytes in a product of any number
-        (≥ MIN_PRODUCT_ROWS) of rows, wherever the row sits (STACK_CHECK_*). The wide layers
-        do on the CI machine; the 1-wide outputs of the ordinal head (a matrix-vector kernel)
-        do not, and keep one product a question."""
-        weight, bias = self.t[f"{layer}.weight"], self.t[f"{layer}.bias"]
+        (≥ MIN_PRODUCT_ROWS) of rows, wherever the row sits (STACK_CHECK_*). Layers that do
+        not keep one product a question."""
+        weight, bias = self.products[layer]
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(STACK_CHECK_ROWS, weight.shape[1], generator=generator)
         with torch.inference_mode():
@@ -277,14 +296,27 @@ class Heads:
         return cls(load_file(str(path)), hidden)
 
     def _dense(self, name: str, x: np.ndarray) -> np.ndarray:
-        """`nn.Linear` in float32 on rows [N, in], as a product of at least MIN_PRODUCT_ROWS."""
+        """`nn.Linear` in float32 on rows [N, in], as a product of at least MIN_PRODUCT_ROWS
+        rows and NARROW_WIDTH outputs."""
         rows = x.shape[0]
         if rows < MIN_PRODUCT_ROWS:
             x = np.concatenate([x, np.zeros((MIN_PRODUCT_ROWS - rows, x.shape[1]), x.dtype)])
         inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-        weight, bias = self.t[f"{name}.weight"], self.t[f"{name}.bias"]
+        weight, bias = self.products[name]
+        width = self.t[f"{name}.bias"].shape[0]
         with inference():
-            return torch.nn.functional.linear(inputs, weight, bias).numpy()[:rows]
+            return torch.nn.functional.linear(inputs, weight, bias).numpy()[:rows, :width]
+
+    def _stacked(self, name: str, x: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
+        """`_dense` of several questions' rows (`sizes` each, in order), each question's
+        bytes as its own product gives them: one product where `name` is stackable, else one
+        a question."""
+        if name in self.stackable or len(sizes) == 1:
+            return self._dense(name, x)
+        ends = np.cumsum(sizes)
+        return np.concatenate(
+            [self._dense(name, x[end - size : end]) for size, end in zip(sizes, ends, strict=True)]
+        )
 
     def _mlp(self, name: str, x: np.ndarray, first: dict | None = None) -> np.ndarray:
         """Linear → exact GELU → Linear; `first` may hold the MLP's output already (`{name}`),
@@ -327,23 +359,45 @@ class Heads:
         `feats` None means a head without LM features (head_meta `lm_feats` false); `first`
         holds first-Linear outputs already made from these inputs (`questions_mu`)."""
         zq, u = self._inputs(zq, u)
-        k = u.shape[0]
-        g = np.tanh(self._mlp("head.que", zq[None, :], first))[0]
-        h = self._mlp("head.opt", u, first) * g
+        que = self._mlp("head.que", zq[None, :], first)
+        opt = self._mlp("head.opt", u, first)
+        return self.scorer_outputs(que, opt, [u.shape[0]], feats, [type_id])[0]
+
+    def scorer_outputs(
+        self,
+        que: np.ndarray,
+        opt: np.ndarray,
+        sizes: Sequence[int],
+        feats: np.ndarray | None,
+        type_ids: Sequence[int],
+    ) -> list[tuple[np.ndarray, np.float32]]:
+        """OptionScorer after its two MLPs, for several questions at once: each question's
+        question-MLP row (`que` [J, W]), its `sizes[j]` option-MLP rows (`opt` [ΣK, W]) and
+        LM features (`feats` [ΣK, 6] or None) → (logits [K], abstain) a question; every
+        Linear over all the questions' rows at once (`_stacked`), each question's bytes."""
+        total = sum(sizes)
+        # tanh row by row: a row of a longer array could meet other SIMD lanes than alone
+        g = np.stack([np.tanh(row) for row in que])
+        h = opt * np.repeat(g, sizes, axis=0)
         if feats is not None:
-            feats = _as_input(feats, (k, N_FEATS))
-            h = h + self._dense("head.feat", feats)
-        logit = self._dense("head.score", h)[:, 0]
+            feats = _as_input(feats, (total, N_FEATS))
+            h = h + self._stacked("head.feat", feats, sizes)
+        logit = self._stacked("head.score", h, sizes)[:, 0]
         if feats is not None:
-            logit = logit + self._dense("head.feat_lin", feats)[:, 0]
-        tau = np.exp(self.w["head.log_tau"][type_id])
-        logit = (logit / tau).astype(np.float32)
-        abstain = np.float32(0.0)
-        if type_id != TYPE_IDS["noul"]:
-            abstain = np.float32(self._dense("head.abstain", g[None, :])[0, 0] / tau)
-        if not np.isfinite(abstain):
-            raise ExecutionError("invalid head output")
-        return _check_output(logit, k), abstain
+            logit = logit + self._stacked("head.feat_lin", feats, sizes)[:, 0]
+        taus = [np.exp(self.w["head.log_tau"][type_id]) for type_id in type_ids]
+        logit = (logit / np.repeat(np.array(taus, np.float32), sizes)).astype(np.float32)
+        abstains = self._stacked("head.abstain", g, [1] * len(sizes))[:, 0]
+        outputs, at = [], 0
+        for size, type_id, tau, raw in zip(sizes, type_ids, taus, abstains, strict=True):
+            abstain = np.float32(0.0)
+            if type_id != TYPE_IDS["noul"]:
+                abstain = np.float32(raw / tau)
+            if not np.isfinite(abstain):
+                raise ExecutionError("invalid head output")
+            outputs.append((_check_output(logit[at : at + size], size), abstain))
+            at += size
+        return outputs
 
     def option_logits(
         self, zq: np.ndarray, u: np.ndarray, feats: np.ndarray | None, type_id: int
@@ -369,15 +423,21 @@ class Heads:
     def ordinal_mu(self, zq: np.ndarray, u: np.ndarray, first: dict | None = None) -> np.ndarray:
         """OrdinalScoreHead's cumulative-link level probabilities [K], levels in caller order."""
         zq, u = self._inputs(zq, u)
-        z = self._mlp("ord.z", zq[None, :], first)[0, 0]
-        raw = self._mlp("ord.cut", u, first)[:, 0]
+        return self.ordinal_levels(
+            self._mlp("ord.z", zq[None, :], first)[0, 0], self._mlp("ord.cut", u, first)[:, 0]
+        )
+
+    @_quiet
+    def ordinal_levels(self, z: np.floating, raw: np.ndarray) -> np.ndarray:
+        """OrdinalScoreHead after its two MLPs: the level probabilities [K] from the question's
+        location `z` and the levels' raw cut points."""
         # torch's CPU cumsum accumulates float32 in double and rounds each partial sum
         steps = np.cumsum(softplus(raw[1:]).astype(np.float64)).astype(np.float32)
         theta = raw[0] + np.concatenate([np.zeros(1, np.float32), steps])
         cdf = sigmoid(theta - z)
         cdf[-1] = np.float32(1.0)
         p = np.concatenate([cdf[:1], cdf[1:] - cdf[:-1]])
-        return _check_output(np.maximum(p, ORDINAL_FLOOR).astype(np.float32), u.shape[0])
+        return _check_output(np.maximum(p, ORDINAL_FLOOR).astype(np.float32), raw.shape[0])
 
 
 def product_rows(rows: int) -> int:
@@ -405,26 +465,40 @@ def option_sums(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 def lm_features(picked: Sequence[np.ndarray], first: Sequence[float | None]) -> np.ndarray:
     """The six LM features [K, 6] of one question's options (contract §6.2), float32."""
-    k = len(picked)
-    if k == 0 or len(first) != k:
-        raise ExecutionError("invalid head input")
-    rows = [np.asarray(values, dtype=np.float32).reshape(-1) for values in picked]
-    sizes = np.array([row.size for row in rows])
+    return options_features([(picked, first)])
+
+
+def options_features(
+    questions: Sequence[tuple[Sequence[np.ndarray], Sequence[float | None]]],
+) -> np.ndarray:
+    """`lm_features` of several questions' (picked, first), their rows one after another
+    [ΣK, 6]: element by element over every option at once, the log-softmax a question."""
+    rows, firsts, sizes = [], [], []
+    for picked, first in questions:
+        k = len(picked)
+        if k == 0 or len(first) != k:
+            raise ExecutionError("invalid head input")
+        rows += [np.asarray(values, dtype=np.float32).reshape(-1) for values in picked]
+        firsts += [0.0 if f is None else f for f in first]
+        sizes.append(k)
+    lengths = np.array([row.size for row in rows])
     values = np.concatenate(rows)
     if not np.all(np.isfinite(values)):
         raise ExecutionError("invalid head input")
-    counts = sizes.astype(np.float32)
+    counts = lengths.astype(np.float32)
     valid = counts > 0
-    sums = np.where(valid, option_sums(values, sizes), np.float32(0))
+    sums = np.where(valid, option_sums(values, lengths), np.float32(0))
     mean = np.where(valid, sums / np.maximum(counts, np.float32(1)), np.float32(0))
-    dist = log_softmax(np.where(valid, sums, EMPTY_SUM).astype(np.float32))
-    firsts = np.array([0.0 if f is None else f for f in first], dtype=np.float32)
-    if not np.all(np.isfinite(firsts)):
-        raise ExecutionError("invalid head input")
-    feats = np.stack(
-        [sums / FEAT_SCALE, mean, counts / FEAT_SCALE, dist, firsts, valid.astype(np.float32)],
-        axis=1,
+    masked = np.where(valid, sums, EMPTY_SUM).astype(np.float32)
+    ends = np.cumsum(sizes)
+    dist = np.concatenate(
+        [log_softmax(masked[end - k : end]) for k, end in zip(sizes, ends, strict=True)]
     )
+    first_values = np.array(firsts, dtype=np.float32)
+    if not np.all(np.isfinite(first_values)):
+        raise ExecutionError("invalid head input")
+    columns = [sums / FEAT_SCALE, mean, counts / FEAT_SCALE, dist, first_values]
+    feats = np.stack([*columns, valid.astype(np.float32)], axis=1)
     return feats.astype(np.float32)
 
 
@@ -482,12 +556,13 @@ def questions_mu(
     ordinal: bool = True,
     lm_feats: bool = True,
 ) -> list[np.ndarray]:
-    """`question_mu` of several (type, readout) pairs, each MLP's Linears applied to every
-    question's rows at once (first Linears, then second ones), so that a weight (10 MiB at
-    D = 2560) is read from memory once rather than once a question: one product over all the
-    questions' rows for the layers in `heads.stackable` (the same bytes as alone, checked at
-    load), else the questions in turn; on the device where `heads.use_device` put them. The
-    same refusals in the same order."""
+    """`question_mu` of several (type, readout) pairs, each Linear applied to every question's
+    rows at once (the MLPs' first Linears, then their second ones, then the scorer's), so that
+    a weight (10 MiB at D = 2560) is read from memory once rather than once a question: one
+    product over all the questions' rows for the layers in `heads.stackable` (the same bytes as
+    alone, checked at load), else the questions in turn; the MLPs on the device where
+    `heads.use_device` put them. The same refusals in the same order: a request that any
+    question refuses is answered again question by question, which raises the first."""
     wanted = [
         heads.first_inputs(kind, readout, ordinal) if kind in TYPE_IDS else {}
         for kind, readout in items
@@ -498,10 +573,47 @@ def questions_mu(
             heads.device_mlps.run(wanted, made)
         else:
             host_mlps(heads, wanted, made)
+        if all(wanted):
+            try:
+                return heads_together(heads, items, made, ordinal, lm_feats)
+            except ExecutionError:
+                pass
         return [
             question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
             for (kind, readout), outputs in zip(items, made, strict=True)
         ]
+
+
+def heads_together(
+    heads: Heads,
+    items: Sequence[tuple[str, QuestionReadout]],
+    made: list[dict],
+    ordinal: bool,
+    lm_feats: bool,
+) -> list[np.ndarray]:
+    """mu of questions whose inputs `Heads.first_inputs` took and whose MLPs `made` holds: the
+    OptionScorer's remaining Linears over every scored question's rows at once
+    (`Heads.scorer_outputs`), the ordinal head's arithmetic a question."""
+    mus: list[np.ndarray | None] = [None] * len(items)
+    scored = []
+    for i, ((kind, _), outputs) in enumerate(zip(items, made, strict=True)):
+        if kind == "score" and ordinal:
+            mus[i] = heads.ordinal_levels(outputs["ord.z"][0, 0], outputs["ord.cut"][:, 0])
+        else:
+            scored.append(i)
+    if scored:
+        sizes = [made[i]["head.opt"].shape[0] for i in scored]
+        type_ids = [TYPE_IDS[items[i][0]] for i in scored]
+        feats = None
+        if lm_feats:
+            feats = options_features([(items[i][1].picked, items[i][1].first) for i in scored])
+        que = np.concatenate([made[i]["head.que"] for i in scored])
+        opt = np.concatenate([made[i]["head.opt"] for i in scored])
+        outputs = heads.scorer_outputs(que, opt, sizes, feats, type_ids)
+        for i, type_id, (logit, abstain) in zip(scored, type_ids, outputs, strict=True):
+            mu = option_probabilities(logit, abstain, type_id)
+            mus[i] = _check_output(mu, logit.shape[0])
+    return mus
 
 
 class DeviceMLPs:
@@ -519,12 +631,13 @@ class DeviceMLPs:
         # heads while the next request's passes run on the default stream (server/admission.py)
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device, priority=-1) if cuda else None
+        # the host's product weights (Heads.products): a narrow layer NARROW_WIDTH wide
         self.t = {
-            name: heads.t[name].to(device)
+            layer: tuple(tensor.to(device) for tensor in heads.products[layer])
             for mlp in FIRST_LINEAR_ORDER
             for layer in (f"{mlp}.0", f"{mlp}.2")
-            for name in (f"{layer}.weight", f"{layer}.bias")
         }
+        self.widths = {layer: heads.t[f"{layer}.bias"].shape[0] for layer in self.t}
         if self.stream is not None:  # the weights were copied on the default stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
         self.lock = threading.Lock()  # the slots' and host buffers' one user at a time
@@ -544,14 +657,14 @@ class DeviceMLPs:
 
     def dense(self, layer: str, x: torch.Tensor) -> torch.Tensor:
         """Linear `layer` on rows [N, in] of the device, in products of DEVICE_ROWS rows."""
-        weight, bias = self.t[f"{layer}.weight"], self.t[f"{layer}.bias"]
+        weight, bias = self.t[layer]
         rows = x.shape[0]
         x = torch.nn.functional.pad(x, (0, 0, 0, product_rows(rows) - rows))
         pieces = [
             torch.nn.functional.linear(x[at : at + DEVICE_ROWS], weight, bias)
             for at in range(0, x.shape[0], DEVICE_ROWS)
         ]
-        return torch.cat(pieces)[:rows]
+        return torch.cat(pieces)[:rows, : self.widths[layer]]
 
     def mlp(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.dense(f"{name}.2", exact_gelu(self.dense(f"{name}.0", x)))
@@ -591,7 +704,7 @@ class DeviceMLPs:
         """Each (MLP name, host rows [N, D]) through its MLP, the outputs on the host: every
         input row into one host buffer (zero rows fill each MLP's last product), each product
         through its slot on the MLPs' stream, one wait at the end."""
-        widths = [self.t[f"{name}.2.weight"].shape[0] for name, _ in batches]
+        widths = [self.widths[f"{name}.2"] for name, _ in batches]
         sizes = [product_rows(rows.shape[0]) for _, rows in batches]
         with self.lock, torch.inference_mode(), self.streamed():
             inputs = self.buffer("in", sum(sizes) * self.heads.hidden)

@@ -8,7 +8,15 @@ import pytest
 
 from runtime.errors import ExecutionError
 from runtime.finish import Calibration, answer_question, answer_questions
-from runtime.heads import Heads, head_shapes, question_mu, questions_mu
+from runtime.heads import (
+    HEAD_LINEARS,
+    Heads,
+    head_shapes,
+    lm_features,
+    options_features,
+    question_mu,
+    questions_mu,
+)
 from runtime.types import Question, QuestionReadout
 
 TYPES = ("noul", "choice", "score")
@@ -75,14 +83,13 @@ def test_answer_questions_equals_answer_question():
     assert together == alone
 
 
-def test_wide_layers_stack_and_give_each_question_its_own_bytes():
-    """On this machine's MKL (strict mode) the wide Linears are row-invariant from 4 rows on, so
-    `questions_mu` runs each over all questions' rows in one product; the 1-wide ordinal outputs
-    are not and stay per question. The bytes are each question's alone either way."""
+def test_every_layer_stacks_and_gives_each_question_its_own_bytes():
+    """On this machine's MKL (strict mode) the wide Linears are row-invariant from 4 rows on,
+    and the 1-wide ones as NARROW_WIDTH-wide products, so `questions_mu` runs each over all
+    questions' rows in one product. The bytes are each question's alone either way."""
     heads, rng = random_heads(2560), np.random.default_rng(7)
-    if not {"head.que.0", "head.opt.0"} <= heads.stackable:
+    if heads.stackable != frozenset(HEAD_LINEARS):
         pytest.skip(f"MKL here is not row-invariant: {sorted(heads.stackable)}")
-    assert "ord.z.2" not in heads.stackable
     items = mixed(rng, 2560, 12)
     together = questions_mu(heads, items)
     for (kind, r), mu in zip(items, together, strict=True):
@@ -143,7 +150,8 @@ def test_device_mlps_that_disagree_with_the_host_are_refused(monkeypatch):
 
     def skewed(self, heads, device):
         made(self, heads, device)
-        self.t["head.opt.0.weight"] = self.t["head.opt.0.weight"] + 1e-3
+        weight, bias = self.t["head.opt.0"]
+        self.t["head.opt.0"] = (weight + 1e-3, bias)
 
     monkeypatch.setattr(DeviceMLPs, "__init__", skewed)
     assert not heads.use_device("cpu") and heads.device_mlps is None
@@ -178,3 +186,25 @@ def test_device_mlps_that_fail_to_start_leave_the_heads_on_the_host(monkeypatch)
     assert not heads.use_device("cpu") and heads.device_mlps is None
     together = questions_mu(heads, items)
     assert [mu.tobytes() for mu in together] == [mu.tobytes() for mu in alone]
+
+
+def test_narrow_layers_are_plain_linears_within_a_float32_rounding():
+    """A 1-wide Linear as a NARROW_WIDTH-wide product (zero weight rows) is nn.Linear's output,
+    up to the order the product sums in."""
+    import torch
+
+    heads, rng = random_heads(2560), np.random.default_rng(9)
+    x = rng.standard_normal((37, 1024)).astype(np.float32)
+    weight, bias = heads.t["head.score.weight"], heads.t["head.score.bias"]
+    plain = torch.nn.functional.linear(torch.from_numpy(x), weight, bias).numpy()
+    made = heads._dense("head.score", x)
+    assert made.shape == (37, 1)
+    np.testing.assert_allclose(made, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_features_of_several_questions_are_each_questions_own():
+    rng = np.random.default_rng(10)
+    questions = [(r.picked, r.first) for _, r in mixed(rng, 8, 9)]
+    together = options_features(questions)
+    alone = np.concatenate([lm_features(picked, first) for picked, first in questions])
+    assert together.tobytes() == alone.tobytes()

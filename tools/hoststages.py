@@ -107,8 +107,11 @@ def device_for(name: str | None):
 
 
 def upload(prepared, work, device) -> None:
-    """The executor's host-to-device copies: pixel values, then every pass's int64 arrays."""
+    """The executor's host-to-device copies: pixel values, then each pass's int64 arrays in one
+    copy (`runtime.executor.upload_ints`, where the runtime has it)."""
     import torch
+
+    from runtime import executor
 
     def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype).contiguous()
@@ -120,7 +123,10 @@ def upload(prepared, work, device) -> None:
         tensors = [tensor(prepared.image.pixel_values, torch.bfloat16)]
     passes = [work.prefix, *(q.rows for q in work.questions), *(o.rows for o in work.options)]
     for rows in passes:
-        tensors += [tensor(a, torch.int64) for a in rows.arrays().values()]
+        if hasattr(executor, "upload_ints"):
+            tensors.append(executor.upload_ints(rows.arrays(), device))
+        else:  # the runtime before a pass's arrays went up in one copy
+            tensors += [tensor(a, torch.int64) for a in rows.arrays().values()]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
