@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     upload = hoststages.device_for(args.device)
     print(f"host stages, {clock} ({machine}, upload to {upload}, heads' products on the {site})")
     print(hoststages.table(results))
+    if heads is not None:  # which Linears took every question's rows in one product here
+        print(f"heads' layers stacked: {', '.join(sorted(heads.stackable)) or 'none'}")
     return 0
 
 
