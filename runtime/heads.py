@@ -63,7 +63,7 @@ MIN_PRODUCT_ROWS = 4
 NARROW_WIDTH = 4
 # Every Linear of the heads, for the row-invariance check (`Heads.stackable`)
 HEAD_LINEARS = (
-    *(f"{mlp}.{i}" for mlp in ("head.que", "head.opt", "ord.z", "ord.cut") for i in (0, 2)),
+    *(f"{mlp}.{i}" for mlp in FIRST_LINEAR_ORDER for i in (0, 2)),
     "head.feat",
     "head.score",
     "head.feat_lin",
@@ -387,6 +387,7 @@ class Heads:
             logit = logit + self._stacked("head.feat_lin", feats, sizes)[:, 0]
         taus = [np.exp(self.w["head.log_tau"][type_id]) for type_id in type_ids]
         logit = (logit / np.repeat(np.array(taus, np.float32), sizes)).astype(np.float32)
+        # Noul has no abstain option: its question rows go through the product all the same
         abstains = self._stacked("head.abstain", g, [1] * len(sizes))[:, 0]
         outputs, at = [], 0
         for size, type_id, tau, raw in zip(sizes, type_ids, taus, abstains, strict=True):
@@ -577,7 +578,7 @@ def questions_mu(
             try:
                 return heads_together(heads, items, made, ordinal, lm_feats)
             except ExecutionError:
-                pass
+                pass  # refused: question by question below raises the first refusal in order
         return [
             question_mu(heads, kind, readout, ordinal, lm_feats, outputs)
             for (kind, readout), outputs in zip(items, made, strict=True)

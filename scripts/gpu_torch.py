@@ -133,9 +133,14 @@ def environment() -> dict:
 
 
 def apply_flags() -> None:
-    """`--floors-in-graph`: the row floors' padding in the traced graph, not inside
-    runtime.model.layers.floored_linear (in this process and the cold-start processes it
-    starts, which get the same flags)."""
+    """PyTorch's threads capped as the worker caps them (server.app.limit_torch_threads: the
+    heads' host work is timed as the worker does it; 16 threads made it erratic in
+    h200-2026-12-02g); `--floors-in-graph`: the row floors' padding in the traced graph, not
+    inside runtime.model.layers.floored_linear (in this process and the cold-start processes
+    it starts, which get the same flags)."""
+    from server.app import limit_torch_threads
+
+    limit_torch_threads()
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 

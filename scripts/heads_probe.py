@@ -34,7 +34,10 @@ from runtime.types import QuestionReadout  # noqa: E402
 from tools import bench, hoststages  # noqa: E402
 
 RUNS = 30  # timed calls per setting (median)
+EXECUTOR_RUNS, EXECUTOR_WARM = 10, 2  # requests timed through the executor, after warm ones
+# PyTorch threads tried: one, the worker's cap (server.app.TORCH_THREADS), the H200 host's cores
 THREADS = (1, 8, 16)
+REQUESTS = ("1 question", "12 questions", "255 options")  # of tools.bench.workloads
 OUT = Path(os.environ.get("OUT", "/tmp/heads-probe"))
 
 
@@ -89,13 +92,13 @@ def main() -> None:
     from runtime import heads as new
 
     versions = {"new": new}
-    if len(sys.argv) > 1:
-        versions["old"] = module(sys.argv[1], "heads_old")
+    paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    if paths:
+        versions["old"] = module(paths[0], "heads_old")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     image = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
     loads = bench.workloads()
-    requests = {name: items_of(bench.body(image, "image/png", loads[name])) for name in
-                ("1 question", "12 questions", "255 options")}  # fmt: skip
+    requests = {name: items_of(bench.body(image, "image/png", loads[name])) for name in REQUESTS}
     tensors = {n: t.numpy() for n, t in hoststages.synthetic_heads().t.items()}
     rows, profiles = [], {}
     for label, heads_module in versions.items() if "--no-direct" not in sys.argv else ():
@@ -110,7 +113,7 @@ def main() -> None:
                     row["device_mlps_ms"] = timed(partial(device_mlps, heads, items))
                 rows.append(row)
                 print(row, flush=True)
-                if threads == 16 and name == "255 options":
+                if threads == THREADS[-1] and name == REQUESTS[-1]:
                     profile = cProfile.Profile()
                     profile.enable()
                     for _ in range(10):
@@ -142,13 +145,13 @@ def executor_rows(versions: dict, image: bytes, loads: dict) -> list[dict]:
         executor.heads = heads_module.Heads(tensors)
         executor.heads.use_device(executor.device)
         finish.questions_mu = heads_module.questions_mu
-        for threads, name in product(THREADS[::-1], ("1 question", "12 questions", "255 options")):
+        for threads, name in product(THREADS[::-1], REQUESTS):
             torch.set_num_threads(threads)
             body = bench.body(image, "image/png", loads[name])
             seconds = []
-            for run in range(12):
+            for run in range(EXECUTOR_WARM + EXECUTOR_RUNS):
                 executor.answer(body)
-                if run >= 2:
+                if run >= EXECUTOR_WARM:
                     seconds.append(executor.stages["heads"])
             row = {"code": label, "request": name, "threads": threads, "compiled": compiled}
             row["heads_ms"] = round(1e3 * statistics.median(seconds), 3)

@@ -67,6 +67,19 @@ def test_refusals_come_in_question_order():
         questions_mu(heads, [items[0], ("other", items[1][1])])
 
 
+def test_an_output_refusal_together_is_the_questions_own():
+    """Every input taken, the second question's output overflows: the questions together are
+    refused as that question alone is, with the output's message."""
+    heads, rng = random_heads(64), np.random.default_rng(5)
+    items = mixed(rng, 64, 4)
+    first = items[0][1]
+    huge = QuestionReadout(first.zq, np.full_like(first.u, 3e38), first.picked, first.first)
+    with pytest.raises(ExecutionError, match="invalid head output"):
+        question_mu(heads, "choice", huge)
+    with pytest.raises(ExecutionError, match="invalid head output"):
+        questions_mu(heads, [items[1], ("choice", huge), items[2]])
+
+
 def test_answer_questions_equals_answer_question():
     heads, rng = random_heads(64), np.random.default_rng(2)
     items = mixed(rng, 64, 6)
