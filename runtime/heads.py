@@ -524,19 +524,16 @@ def question_mu(
 
 
 def dense_layer(heads: Heads, layer: str, jobs: list[tuple[np.ndarray, dict, str]]) -> None:
-    """`layer` on each job's rows, into `outputs[key]`: one product over all of them where the
-    layer is stackable, else a product a job."""
-    if layer not in heads.stackable:
-        for rows, outputs, key in jobs:
-            outputs[key] = heads._dense(layer, rows)
-        return
+    """`layer` on each job's rows, into `outputs[key]` (`Heads._stacked`: one product over all
+    of them where the layer is stackable, else a product a job)."""
     if not jobs:
         return
-    product = heads._dense(layer, np.concatenate([rows for rows, _, _ in jobs]))
+    sizes = [rows.shape[0] for rows, _, _ in jobs]
+    product = heads._stacked(layer, np.concatenate([rows for rows, _, _ in jobs]), sizes)
     at = 0
-    for rows, outputs, key in jobs:
-        outputs[key] = product[at : at + rows.shape[0]]
-        at += rows.shape[0]
+    for (_, outputs, key), size in zip(jobs, sizes, strict=True):
+        outputs[key] = product[at : at + size]
+        at += size
 
 
 def host_mlps(heads: Heads, wanted: list[dict], made: list[dict]) -> None:

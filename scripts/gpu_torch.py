@@ -133,14 +133,9 @@ def environment() -> dict:
 
 
 def apply_flags() -> None:
-    """PyTorch's threads capped as the worker caps them (server.app.limit_torch_threads: the
-    heads' host work is timed as the worker does it; 16 threads made it erratic in
-    h200-2026-12-02g); `--floors-in-graph`: the row floors' padding in the traced graph, not
-    inside runtime.model.layers.floored_linear (in this process and the cold-start processes
-    it starts, which get the same flags)."""
-    from server.app import limit_torch_threads
-
-    limit_torch_threads()
+    """`--floors-in-graph`: the row floors' padding in the traced graph, not inside
+    runtime.model.layers.floored_linear (in this process and the cold-start processes it
+    starts, which get the same flags)."""
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 
@@ -1037,6 +1032,11 @@ def pack_caches() -> dict:
 def session(final: bool) -> None:
     import torch
 
+    from server.app import limit_torch_threads
+
+    # the heads' host work timed as the worker runs it, its threads capped alike (16 threads
+    # made it erratic in h200-2026-12-02g)
+    limit_torch_threads()
     use_cache_dirs()
     report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
     attempt(report, "build", build)

@@ -16,9 +16,7 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
-import time
 from functools import partial
 from itertools import product
 from pathlib import Path
@@ -33,8 +31,8 @@ from runtime.strict_json import parse_body  # noqa: E402
 from runtime.types import QuestionReadout  # noqa: E402
 from tools import bench, hoststages  # noqa: E402
 
-RUNS = 30  # timed calls per setting (median)
-EXECUTOR_RUNS, EXECUTOR_WARM = 10, 2  # requests timed through the executor, after warm ones
+RUNS, WARM = 30, 3  # timed calls per setting (median), after untimed ones
+EXECUTOR_RUNS = 10  # requests timed through the executor (after tools.bench.time_runs' warm-up)
 # PyTorch threads tried: one, the worker's cap (server.app.TORCH_THREADS), the H200 host's cores
 THREADS = (1, 8, 16)
 REQUESTS = ("1 question", "12 questions", "255 options")  # of tools.bench.workloads
@@ -59,17 +57,6 @@ def items_of(body: bytes, seed: int = 0) -> list[tuple[str, QuestionReadout]]:
             )
         )
     return items
-
-
-def timed(call) -> float:
-    for _ in range(3):
-        call()
-    seconds = []
-    for _ in range(RUNS):
-        started = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - started)
-    return round(1e3 * statistics.median(seconds), 3)
 
 
 def device_mlps(heads, items: list) -> None:
@@ -108,9 +95,13 @@ def main() -> None:
             torch.set_num_threads(threads)
             for name, items in requests.items():
                 row = {"code": label, "threads": threads, "request": name, "device": on_device}
-                row["heads_ms"] = timed(partial(heads_module.questions_mu, heads, items))
+                row["heads_ms"] = bench.median_ms(
+                    partial(heads_module.questions_mu, heads, items), RUNS, WARM
+                )
                 if heads.device_mlps is not None:
-                    row["device_mlps_ms"] = timed(partial(device_mlps, heads, items))
+                    row["device_mlps_ms"] = bench.median_ms(
+                        partial(device_mlps, heads, items), RUNS, WARM
+                    )
                 rows.append(row)
                 print(row, flush=True)
                 if threads == THREADS[-1] and name == REQUESTS[-1]:
@@ -148,13 +139,10 @@ def executor_rows(versions: dict, image: bytes, loads: dict) -> list[dict]:
         for threads, name in product(THREADS[::-1], REQUESTS):
             torch.set_num_threads(threads)
             body = bench.body(image, "image/png", loads[name])
-            seconds = []
-            for run in range(EXECUTOR_WARM + EXECUTOR_RUNS):
-                executor.answer(body)
-                if run >= EXECUTOR_WARM:
-                    seconds.append(executor.stages["heads"])
+            stages = executor.stages  # time_runs leaves each stage's median there
+            bench.time_runs(executor.answer, body, EXECUTOR_RUNS, stages)
             row = {"code": label, "request": name, "threads": threads, "compiled": compiled}
-            row["heads_ms"] = round(1e3 * statistics.median(seconds), 3)
+            row["heads_ms"] = round(1e3 * stages["heads"], 3)
             row["load_average"] = os.getloadavg()[0]
             rows.append(row)
             print("executor", row, flush=True)

@@ -15,6 +15,7 @@ import statistics
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -51,15 +52,7 @@ def decode_probe() -> dict:
     out = np.empty((height, width, 3), np.uint8)
     reference = images.decode_rgb(still, "image/png").tobytes()
 
-    def median_ms(work) -> float:
-        work()
-        times = []
-        for _ in range(DECODE_RUNS):
-            started = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - started)
-        return round(1e3 * statistics.median(times), 3)
-
+    median_ms = partial(bench.median_ms, runs=DECODE_RUNS)
     result = {"inflate": median_ms(lambda: inflate(stream, height * stride))}
     for threads in DECODE_THREADS:
         images.DECODE_THREADS = threads

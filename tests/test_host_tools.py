@@ -67,3 +67,11 @@ def test_host_profile_times_every_stage():
     assert 0 < total < 10
     row = {stage: 1.0 for stage in (*hostprofile.STAGES, "sum of stages", "host total")}
     assert "| host total | 1.00 |" in hostprofile.table({"PNG": row})
+
+
+def test_median_ms_times_runs_after_warm_calls():
+    from tools.bench import median_ms
+
+    calls = []
+    assert median_ms(lambda: calls.append(1), runs=5, warm=2) >= 0.0
+    assert len(calls) == 7

@@ -218,6 +218,18 @@ def parity_table(report: dict) -> str:
 # -- latency -----------------------------------------------------------------------------------
 
 
+def median_ms(call, runs: int, warm: int = 1) -> float:
+    """Median wall milliseconds of `runs` calls of `call()` after `warm` untimed ones."""
+    for _ in range(warm):
+        call()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return round(1e3 * statistics.median(times), 3)
+
+
 def time_runs(
     answer, request: bytes, runs: int, stages: dict | None = None, settle=None
 ) -> list[float]:
