@@ -159,6 +159,10 @@ class Executor:
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
         # the backend runs a pass without readout outputs without its readout
         self.backend_skips_readouts = bool(getattr(self.backend, "optional_readouts", False))
+        # the log-probability lists padded to a power of two, unless the backend reads them in
+        # fixed pieces outside its graphs (the torch backend: 255 options' padding was 6 of
+        # 18 pieces of 128 rows over the 248,079-row table)
+        self.pad_targets = bool(getattr(self.backend, "padded_targets", True))
         self.image_token = int(self.model_config.get("image_token_id", IMAGE_PAD_ID))
         # a hit reuses the very tensors the same inputs gave: bit-identical answers either way
         self.prefix_cache: LRU[str, tuple[State, State]] = LRU(self.config.prefix_cache)
@@ -480,7 +484,7 @@ class Executor:
         if limit and rows.shape[1] > limit:
             return self.run_split(rows, features, prefix, src, with_state, limit)
         graph = "lm_state" if with_state else "lm_rows"
-        arrays = rows.arrays()
+        arrays = rows.arrays(self.pad_targets)
         outputs = self.outputs(rows, arrays, with_state, lend)
         if not rows.read_rows and not rows.targets and self.backend_skips_readouts:
             outputs.pop("hidden")  # nothing read (the image prefix): no readout to run
@@ -588,11 +592,11 @@ class Executor:
         self, jp: JointPass, prefix: State, after_prefix: State
     ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         """A joint pass: (the question rows' readouts, each part's option rows' readouts)."""
-        arrays = jp.question.rows.arrays()
+        arrays = jp.question.rows.arrays(self.pad_targets)
         named, outputs = dict(arrays), self.outputs(jp.question.rows, arrays, with_state=False)
         prefixes = JOINT_PREFIXES[: len(jp.parts)]
         for prefix_name, op in zip(prefixes, jp.parts, strict=True):
-            options = op.rows.arrays()
+            options = op.rows.arrays(self.pad_targets)
             named.update({prefix_name + name: a for name, a in options.items()})
             for name, tensor in self.outputs(op.rows, options, with_state=False).items():
                 outputs[prefix_name + name] = tensor

@@ -53,6 +53,14 @@ OPTION_FAMILIES = (
 # their products, and a question part's rows past 512 cost a tile more (255 options joined:
 # 89.6 → 94.3 ms): they stay apart.
 JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
+# A question with more options joins too, but alone (`plan(joint=True, fit=True)`): its text
+# and its own options only, in joint passes of this family, so that every shape it runs in is a
+# function of that question alone and may exceed the token slots the row floors were measured
+# for. One 256 × 8 pass holds 255 options of up to 8 tokens: on the H200 (4b, BF16) the wide
+# family's four 64 × 8 option passes and its question pass took 53.4 + 8.5 ms of device time,
+# each pass paying ~1,300 kernels and a weight read whatever its rows
+ALONE_ROWS = 256
+ALONE_FAMILY = ((MAX_OPTIONS, ALONE_ROWS, ALONE_ROWS * OPTION_STEP),)  # 256 × 8, 128 × 16, ...
 # A joint pass may hold up to this many option passes (its parts) whose questions share a text
 # length bucket: their question rows once, their option rows each in a part of its own length.
 # Two parts took the 12 speed-bench questions (options of 8 and of 24 tokens) from two joint
@@ -94,9 +102,9 @@ def rows_for(length: int, rows: int, tokens: int) -> int:
     return size
 
 
-def option_family(count: int) -> tuple[int, int]:
+def option_family(count: int, families: tuple = OPTION_FAMILIES) -> tuple[int, int]:
     """(rows, token slots) of the option passes of a question with `count` options."""
-    for most, rows, tokens in OPTION_FAMILIES:
+    for most, rows, tokens in families:
         if count <= most:
             return rows, tokens
     raise ValueError(f"at most {MAX_OPTIONS} options, got {count}")
@@ -131,13 +139,18 @@ class Pass:
     def shape(self) -> tuple[int, int]:
         return self.input_ids.shape  # type: ignore[return-value]
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self, pad: bool = True) -> dict[str, np.ndarray]:
         """Row inputs. Readout lists are padded with reads of token 0 at row 0 to a power of two
         (never empty), so that shapes repeat across requests: one captured graph or fixed-shape
-        session serves many. Every readout is per row; the padding changes no real one."""
+        session serves many. Every readout is per row; the padding changes no real one. With
+        `pad` False (a backend that reads outside its graphs in pieces of its own) the target
+        lists keep their length."""
         read = padded(self.read_rows, 0)
-        rows = padded([t[0] for t in self.targets], 0)
-        tokens = padded([t[1] for t in self.targets], 0)
+        targets = self.targets if pad or self.targets else [(0, 0)]
+        rows = [t[0] for t in targets]
+        tokens = [t[1] for t in targets]
+        if pad:
+            rows, tokens = padded(rows, 0), padded(tokens, 0)
         return {
             "input_ids": self.input_ids,
             "positions": self.positions,
@@ -294,17 +307,21 @@ def question_pass(
 
 
 def plan_options(
-    prepared: Prepared, question_passes: list[QuestionPass], fit: bool = False
+    prepared: Prepared,
+    question_passes: list[QuestionPass],
+    fit: bool = False,
+    families: tuple = OPTION_FAMILIES,
 ) -> list[OptionPass]:
     """The options of one question pass's questions by family (option_family of the question's
-    option count) and length bucket, the family's rows a pass (fewer for long buckets:
-    rows_for; with `fit`, as many as the pass holds), each row continuing its question's row."""
+    option count among `families`) and length bucket, the family's rows a pass (fewer for long
+    buckets: rows_for; with `fit`, as many as the pass holds), each row continuing its
+    question's row."""
     passes = []
     for pi, qp in enumerate(question_passes):
         groups: dict[tuple[tuple[int, int], int], list[tuple[int, int, int]]] = {}
         for source, qi in enumerate(qp.members):
             layout = prepared.layouts[qi]
-            family = option_family(len(layout.opens))
+            family = option_family(len(layout.opens), families)
             for k in range(len(layout.opens)):
                 n = layout.closes[k] - layout.opens[k] + 1
                 groups.setdefault((family, bucket(n, OPTION_STEP)), []).append((qi, k, source))
@@ -450,16 +467,34 @@ def plan(
     family's (fewer for long buckets), whatever else the request asks; with `fit`, each pass
     only the rows it holds (MIN_FITTED_ROWS at least); with `joint`, the questions that `joins`
     in joint passes of at most `joint_tokens` token slots (where more option passes share
-    one), the others in question and option passes as before."""
+    one), and with `fit` too every other question alone in joint passes of its own
+    (`plan_alone`); the rest in question and option passes as before."""
     prefix, n = plan_prefix(prepared)
     layouts = prepared.layouts
     spans = [question_span(layout, n) for layout in layouts]
     joining = {qi for qi, layout in enumerate(layouts) if joint and joins(layout)}
-    apart = set(range(len(layouts))) - joining
+    alone = set() if not (joint and fit) else set(range(len(layouts))) - joining
+    apart = set(range(len(layouts))) - joining - alone
     questions = plan_questions(prepared, spans, question_rows, fit, only=apart)
     work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
     if joining:
         mine = plan_questions(prepared, spans, question_rows, fit, only=joining)
         theirs = plan_options(prepared, mine, fit)
         work.joint = plan_joint(prepared, spans, mine, theirs, question_rows, fit, joint_tokens)
+    for qi in sorted(alone):
+        work.joint += plan_alone(prepared, spans, qi, question_rows)
     return work
+
+
+def plan_alone(prepared: Prepared, spans: list, qi: int, question_rows: int) -> list[JointPass]:
+    """Question `qi`'s text and its options in ALONE_FAMILY passes (fitted), one joint pass
+    for each option pass, holding nothing of any other question."""
+    mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi})
+    theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY)
+    read: set[int] = set()
+    joint = []
+    for op in theirs:
+        jp = joint_pass(prepared, spans, mine, [op], question_rows, True, read)
+        read |= set(jp.question.members)
+        joint.append(jp)
+    return joint

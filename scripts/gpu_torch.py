@@ -346,7 +346,7 @@ def product_rows(executor) -> dict:
     return result
 
 
-def traces(executor, workloads: dict, names=("1 question", "12 questions")) -> dict:
+def traces(executor, workloads: dict, names=("1 question", "12 questions", "255 options")) -> dict:
     """A Chrome trace of one warm GPU-stage run of each workload, the stage clock waiting for
     the device at each lap, into $OUT (gzip); the laps' stage names in order, so that the
     kernels between two synchronisations can be given to their stage."""

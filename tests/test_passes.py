@@ -206,8 +206,9 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     """plan(joint=True): the questions with at most JOINT_OPTIONS options (their own count)
     run in joint passes: up to JOINT_PARTS option passes of one question pass, with a question
     part of exactly the questions their rows continue (`src` pointing at the same question),
-    sized as a question pass of that bucket, within `joint_tokens` slots; the others in question
-    and option passes as before. Every option row once, every question's readouts once."""
+    sized as a question pass of that bucket, within `joint_tokens` slots; the others, fitted,
+    in joint passes of their own (`plan_alone`, after the shared ones), else in question and
+    option passes as before. Every option row once, every question's readouts once."""
     from runtime import passes
     from runtime.passes import (
         JOINT_OPTIONS,
@@ -225,9 +226,14 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     prepared = prepare(request, tokenizer)
     layouts = prepared.layouts
     work = plan(prepared, QUESTION_ROWS, fit, joint=True, joint_tokens=tokens)
-    assert work.joined and work.joint and work.questions
     joining = {qi for qi, layout in enumerate(layouts) if len(layout.opens) <= JOINT_OPTIONS}
-    assert {qi for qp in work.questions for qi in qp.members} == set(range(len(layouts))) - joining
+    others = set(range(len(layouts))) - joining
+    assert work.joined and work.joint and others
+    assert {qi for qp in work.questions for qi in qp.members} == (set() if fit else others)
+    alone = [jp for jp in work.joint if not set(jp.question.members) <= joining]
+    assert bool(alone) == fit and work.joint[len(work.joint) - len(alone) :] == alone
+    assert {qi for jp in alone for qi in jp.question.members} == (others if fit else set())
+    alone_ids = {id(jp) for jp in alone}
     rows = [m for jp in work.joint for op in jp.parts for m in op.members]
     rows += [m for op in work.options for m in op.members]
     assert sorted(rows) == sorted((qi, k) for qi, lay in enumerate(layouts)
@@ -235,10 +241,13 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     read = [qi for qp in work.questions for qi in qp.zq_read]
     for jp in work.joint:
         part = jp.question
-        assert 1 <= len(jp.parts) <= parts and jp.tokens <= tokens
+        if id(jp) in alone_ids:
+            assert len(jp.parts) == 1 and len(part.members) == 1
+        else:
+            assert 1 <= len(jp.parts) <= parts and jp.tokens <= tokens
+            assert set(part.members) <= joining
         members = [m for op in jp.parts for m in op.members]
         assert sorted(part.members) == sorted({qi for qi, _ in members})
-        assert set(part.members) <= joining
         for op in jp.parts:
             assert op.members
             for row, (qi, _) in enumerate(op.members):
@@ -260,19 +269,85 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     spans = [question_span(layout, work.prefix_length) for layout in layouts]
     mine = plan_questions(prepared, spans, QUESTION_ROWS, fit, only=joining)
     option_passes = plan_options(prepared, mine, fit)
-    assert [op.members for jp in work.joint for op in jp.parts] == [
+    shared_passes = [jp for jp in work.joint if id(jp) not in alone_ids]
+    assert [op.members for jp in shared_passes for op in jp.parts] == [
         op.members for op in option_passes
     ]
-    for a, b in zip(work.joint, work.joint[1:], strict=False):
+    for a, b in zip(shared_passes, shared_passes[1:], strict=False):
         if a.parts[-1].question_pass == b.parts[0].question_pass:
             merged = joint_pass(prepared, spans, mine, [*a.parts, b.parts[0]], QUESTION_ROWS, fit)
             qp = mine[a.parts[-1].question_pass]
             fitting = fits(qp, merged.parts, QUESTION_ROWS, fit, tokens)
             assert len(merged.parts) > parts or not fitting
-    shared = [jp for jp in work.joint if len(jp.parts) > 1]
+    shared = [jp for jp in shared_passes if len(jp.parts) > 1]
     if tokens > FIT_TOKENS and fit and parts > 1:  # the speed bench's options: two buckets
         assert shared
     elif parts == 1:
         assert not shared
     apart = plan(prepared, QUESTION_ROWS, fit)
     assert apart.joint == [] and not apart.joined
+
+
+def joint_rows_of(prepared, work, qid: str) -> list[dict]:
+    """Every row question `qid` owns in a joint plan, with the shapes of its joint pass: its
+    question part's row and each option row, in the joint passes' order."""
+    qi = [layout.question.id for layout in prepared.layouts].index(qid)
+    found = []
+    for jp in work.joint:
+        shapes = [jp.question.rows.shape, *(op.rows.shape for op in jp.parts)]
+        if qi in jp.question.members:
+            found.append((shapes, row_of(jp.question.rows, jp.question.members.index(qi))))
+        for op in jp.parts:
+            for row, (owner, _) in enumerate(op.members):
+                if owner == qi:
+                    found.append((shapes, row_of(op.rows, row)))
+    return found
+
+
+def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer):
+    """plan(joint=True, fit=True): a question with more than JOINT_OPTIONS options runs its text
+    and its options in joint passes holding nothing else (ALONE_FAMILY: 255 options of at most
+    8 tokens in one 256 × 8 part), so its rows and their passes' shapes are the same alone,
+    beside a small question or beside another wide one, in either order."""
+    from runtime.passes import ALONE_ROWS, OPTION_STEP
+
+    wide, other = choice_with(255)["wide"], choice_with(70)["wide"]
+    small = {"q0": QUESTIONS["q0"]}
+
+    def joint_plan(questions):
+        request = compile_request(parse_body(request_body(IMAGE, questions)))
+        prepared = prepare(request, tokenizer)
+        return prepared, plan(prepared, QUESTION_ROWS, fit=True, joint=True)
+
+    prepared, work = joint_plan({"wide": wide})
+    assert [(jp.question.rows.shape, [op.rows.shape for op in jp.parts]) for jp in work.joint] == [
+        ((2, 16), [(ALONE_ROWS, OPTION_STEP)])
+    ]
+    expected = joint_rows_of(prepared, work, "wide")
+    assert len(expected) == 1 + 255
+    for questions in (
+        {**small, "wide": wide},
+        {"wide": wide, **small},
+        {"other": other, "wide": wide},
+        {"wide": wide, "other": other, **small},
+    ):
+        together, work_together = joint_plan(questions)
+        assert joint_rows_of(together, work_together, "wide") == expected
+    prepared, work = joint_plan(small)
+    expected = joint_rows_of(prepared, work, "q0")
+    together, work_together = joint_plan({"wide": wide, **small})
+    assert joint_rows_of(together, work_together, "q0") == expected
+
+
+def test_unpadded_targets_keep_their_count(tokenizer):
+    """Pass.arrays(pad=False): the log-probability lists as planned (one read of token 0 at row
+    0 where there is none), the hidden reads still padded; padded, a power of two."""
+    prepared, work = planned(tokenizer, {"wide": choice_with(70)["wide"]})
+    op = work.options[0]
+    arrays, padded = op.rows.arrays(pad=False), op.rows.arrays()
+    assert len(arrays["target_rows"]) == len(op.rows.targets) == len(arrays["target_tokens"])
+    assert arrays["target_rows"].tolist() == [t[0] for t in op.rows.targets]
+    assert len(padded["target_rows"]) == 1 << (len(op.rows.targets) - 1).bit_length()
+    assert arrays["read_rows"].tolist() == padded["read_rows"].tolist()
+    empty = work.prefix.arrays(pad=False)
+    assert empty["target_rows"].tolist() == [0] and empty["target_tokens"].tolist() == [0]

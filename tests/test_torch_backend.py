@@ -13,7 +13,7 @@ import torch
 
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from tests.engine_fixtures import tiny_engines
-from tools.bench import compare, encode, photo_image, without_latency
+from tools.bench import choice_with, compare, encode, photo_image, without_latency
 
 PARITY = 1.0001e-4  # as tests/test_executor.py: one unit of the answers' fourth decimal
 
@@ -87,7 +87,8 @@ def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
     executor.prefix_cache.entries.clear()
     executor.prefix_cache.size = 0
     image = pattern_png(320, 224)
-    questions = {**speed_bench_questions(12), **gate_questions()}
+    # with a wide question, which runs alone in joint passes of its own (runtime.passes)
+    questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
 
     def answers(qs: dict) -> dict:
         return without_latency(executor.answer(request_body(image, qs, "image/png")))
@@ -109,10 +110,13 @@ def test_joint_passes_give_the_readouts_of_separate_passes(executor, parts, monk
     from runtime import passes
 
     monkeypatch.setattr(passes, "JOINT_PARTS", parts)
-    request = json.loads(request_body(pattern_png(320, 224), gate_questions(), "image/png"))
+    questions = {**gate_questions(), **choice_with(70)}  # the wide one joins alone
+    request = json.loads(request_body(pattern_png(320, 224), questions, "image/png"))
     prepared = executor.prepare(request)
     assert executor.joint and prepared.planned[1].joint
     assert max(len(jp.parts) for jp in prepared.planned[1].joint) == parts
+    wide = len(questions) - 1
+    assert any(jp.question.members == [wide] for jp in prepared.planned[1].joint)
     joint = executor.readouts(prepared)
     kept = executor.config
     try:

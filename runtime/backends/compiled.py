@@ -211,6 +211,7 @@ class TorchBackend:
     # 128-row piece over the vocabulary) took 0.37 ms of its kernels on the H200
     # (docs/measurements/h200-2026-12-02c)
     optional_readouts = True
+    padded_targets = False  # `readout` pads the targets to its READOUT_PIECE rows itself
     joint_tokens = FIT_TOKENS  # fit_rows: the most token slots a joint pass may hold
     floor_seconds = 0.0  # fit_rows: how long measuring the floors took (part of a cold start)
     compile_modes: list[str] = []  # invariant_compilation's settings, where compiled
