@@ -67,9 +67,10 @@ ALONE_FAMILY = ((MAX_OPTIONS, ALONE_ROWS, ALONE_ROWS * OPTION_STEP),)  # 256 × 
 # passes to one: 46.1 → 40.9 ms of GPU stages on the H200. But a pass of one part and a pass of
 # two are separate compiled graphs, and a question asked alone then differed from the same
 # question asked with others by up to 0.029 in BF16 (docs/measurements/h200-2026-12-02c): the
-# graphs' fused kernels round their intermediates differently. So one part, until the two
-# graphs give a row the same bytes
-JOINT_PARTS = 1
+# graphs' fused kernels round their intermediates differently. So every joint pass has exactly
+# JOINT_PARTS parts, those its questions do not fill a dummy part of DUMMY_ROWS × OPTION_STEP
+# padding tokens that nothing reads: one compiled graph, whatever else is asked
+JOINT_PARTS = 2
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
 # engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch
@@ -78,6 +79,7 @@ JOINT_PARTS = 1
 # compiled apart from the other row counts: passes keep at least this many rows
 MIN_FITTED_ROWS = 2
 FIT_TOKENS = max(QUESTION_TOKENS, OPTION_TOKENS)  # token slots of the largest fitted pass
+DUMMY_ROWS = MIN_FITTED_ROWS  # a joint pass's dummy part: the smallest fitted option pass
 
 
 def bucket(n: int, step: int) -> int:
@@ -366,6 +368,24 @@ def fill_options(
     p.positions[:, : len(chunk)] = bases[:, None] + np.arange(length)
 
 
+def dummy_part(question_pass: int) -> OptionPass:
+    """A part with no option in it: padding rows continuing the question part's first row."""
+    rows = empty_pass(DUMMY_ROWS, OPTION_STEP)
+    return OptionPass(rows=rows, question_pass=question_pass, members=[], u_read={}, text_reads={})
+
+
+def joint_parts(joint_tokens: int) -> int:
+    """Parts of every joint pass: JOINT_PARTS where the row floors hold for the largest joint
+    pass of the small family (a question part and JOINT_PARTS option passes), else one."""
+    largest = QUESTION_TOKENS + JOINT_PARTS * OPTION_FAMILIES[0][2]
+    return JOINT_PARTS if joint_tokens >= largest else 1
+
+
+def filled(ops: list[OptionPass], parts: int) -> list[OptionPass]:
+    """`ops` with dummy parts up to `parts`."""
+    return ops + [dummy_part(ops[0].question_pass) for _ in range(parts - len(ops))]
+
+
 def plan_joint(
     prepared: Prepared,
     spans: list,
@@ -374,18 +394,19 @@ def plan_joint(
     question_rows: int,
     fit: bool,
     tokens: int = FIT_TOKENS,
+    parts: int = 1,
 ) -> list[JointPass]:
     """The option passes with the texts of the questions they continue, in a question part of
     their own (the rows those questions need, as `plan_questions` sizes a pass of their length
     bucket): a question's text runs again in each joint pass that reads it, so that every
     question row and every option row always runs in a joint pass. Consecutive option passes
-    of one question pass share a joint pass while it stays within JOINT_PARTS parts, its
-    question part's rows and `tokens` token slots. A question's readouts are taken in the first
-    joint pass that holds it."""
+    of one question pass share a joint pass while it stays within `parts` parts, its
+    question part's rows and `tokens` token slots; every joint pass has `parts` parts, dummy
+    ones filling it. A question's readouts are taken in the first joint pass that holds it."""
     groups: list[tuple[int, list[OptionPass]]] = []  # (question pass, its option passes)
     for op in options:
         last = groups[-1] if groups else None
-        if last and last[0] == op.question_pass and len(last[1]) < JOINT_PARTS:
+        if last and last[0] == op.question_pass and len(last[1]) < parts:
             if fits(questions[op.question_pass], [*last[1], op], question_rows, fit, tokens):
                 last[1].append(op)
                 continue
@@ -393,7 +414,7 @@ def plan_joint(
     read: set[int] = set()
     joint = []
     for _, ops in groups:
-        jp = joint_pass(prepared, spans, questions, ops, question_rows, fit, read)
+        jp = joint_pass(prepared, spans, questions, filled(ops, parts), question_rows, fit, read)
         read |= set(jp.question.members)
         joint.append(jp)
     return joint
@@ -477,24 +498,31 @@ def plan(
     apart = set(range(len(layouts))) - joining - alone
     questions = plan_questions(prepared, spans, question_rows, fit, only=apart)
     work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
+    parts = joint_parts(joint_tokens)
     if joining:
         mine = plan_questions(prepared, spans, question_rows, fit, only=joining)
         theirs = plan_options(prepared, mine, fit)
-        work.joint = plan_joint(prepared, spans, mine, theirs, question_rows, fit, joint_tokens)
+        work.joint = plan_joint(
+            prepared, spans, mine, theirs, question_rows, fit, joint_tokens, parts
+        )
     for qi in sorted(alone):
-        work.joint += plan_alone(prepared, spans, qi, question_rows)
+        work.joint += plan_alone(prepared, spans, qi, question_rows, parts)
     return work
 
 
-def plan_alone(prepared: Prepared, spans: list, qi: int, question_rows: int) -> list[JointPass]:
-    """Question `qi`'s text and its options in ALONE_FAMILY passes (fitted), one joint pass
-    for each option pass, holding nothing of any other question."""
+def plan_alone(
+    prepared: Prepared, spans: list, qi: int, question_rows: int, parts: int = 1
+) -> list[JointPass]:
+    """Question `qi`'s text and its options in ALONE_FAMILY passes (fitted), `parts` option
+    passes a joint pass (dummy parts filling the last), holding nothing of any other question:
+    the shapes are a function of that question alone, whatever their token slots."""
     mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi})
     theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY)
     read: set[int] = set()
     joint = []
-    for op in theirs:
-        jp = joint_pass(prepared, spans, mine, [op], question_rows, True, read)
+    for start in range(0, len(theirs), parts):
+        ops = filled(theirs[start : start + parts], parts)
+        jp = joint_pass(prepared, spans, mine, ops, question_rows, True, read)
         read |= set(jp.question.members)
         joint.append(jp)
     return joint

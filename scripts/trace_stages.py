@@ -14,7 +14,7 @@ import json
 import sys
 from collections import defaultdict
 
-TOP = 8  # kernels listed per stage
+TOP = int(__import__("os").environ.get("TOP", 8))  # kernels listed per stage
 SYNC = ("cudaDeviceSynchronize",)  # what the stage clock's sync shows in the trace
 
 

@@ -1,7 +1,8 @@
-"""The torch backend's own Gated DeltaNet kernel for option rows (runtime.model.gdn_kernels)
-against the eager chunked core on per-row gathered states; run by Triton's interpreter on the
-CPU where Triton is installed (the GPU machine; scripts/gpu_torch.py checks it there against
-fla-core on the 4b shapes), skipped elsewhere. And the executor's upload and stage clock."""
+"""The torch backend's own Gated DeltaNet kernel for option rows (runtime.model.gdn_kernels, its
+chunked form for rows of at most 32 tokens) against the eager chunked core on per-row gathered
+states, and a row's bytes alone against the same row among others; run by Triton's interpreter
+on the CPU where Triton is installed (the GPU machine; scripts/gpu_torch.py checks it there
+against fla-core on the 4b shapes), skipped elsewhere. And the executor's upload and clock."""
 
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ KERNEL_CHECK = textwrap.dedent(
         l2norm(per_value_head(q)) * dk**-0.5, l2norm(per_value_head(k)), v, g, beta, states[src]
     )
     mask = valid[..., 0]
+    # every row alone gives its bytes in the batch (its program's other rows are padding)
+    for n in range(b):
+        one = slice(n, n + 1)
+        alone = gdn_kernels.option_rows_gated_delta(
+            q[one], k[one], v[one], g[one], beta[one], states, src[one], dk**-0.5
+        )
+        assert torch.equal(alone[0], out[n]), n
     print(float((out - expected)[mask].abs().max()))
     """
 )

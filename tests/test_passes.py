@@ -211,9 +211,12 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     option passes as before. Every option row once, every question's readouts once."""
     from runtime import passes
     from runtime.passes import (
+        DUMMY_ROWS,
         JOINT_OPTIONS,
+        OPTION_STEP,
         fits,
         fitted_rows,
+        joint_parts,
         joint_pass,
         plan_options,
         plan_questions,
@@ -234,6 +237,12 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     assert bool(alone) == fit and work.joint[len(work.joint) - len(alone) :] == alone
     assert {qi for jp in alone for qi in jp.question.members} == (others if fit else set())
     alone_ids = {id(jp) for jp in alone}
+    filled = joint_parts(tokens)  # every joint pass's parts, dummy ones filling it
+    assert filled == (parts if tokens >= QUESTION_TOKENS + parts * 256 else 1)
+
+    def real(jp):
+        return [op for op in jp.parts if op.members]
+
     rows = [m for jp in work.joint for op in jp.parts for m in op.members]
     rows += [m for op in work.options for m in op.members]
     assert sorted(rows) == sorted((qi, k) for qi, lay in enumerate(layouts)
@@ -241,15 +250,17 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     read = [qi for qp in work.questions for qi in qp.zq_read]
     for jp in work.joint:
         part = jp.question
+        assert len(jp.parts) == filled and real(jp)
+        for op in jp.parts[len(real(jp)) :]:  # dummies last: padding rows, nothing read
+            assert op.rows.shape == (DUMMY_ROWS, OPTION_STEP) and not op.rows.read_rows
+            assert not op.rows.targets and not op.rows.src.any()
         if id(jp) in alone_ids:
-            assert len(jp.parts) == 1 and len(part.members) == 1
+            assert len(part.members) == 1
         else:
-            assert 1 <= len(jp.parts) <= parts and jp.tokens <= tokens
-            assert set(part.members) <= joining
+            assert jp.tokens <= tokens and set(part.members) <= joining
         members = [m for op in jp.parts for m in op.members]
         assert sorted(part.members) == sorted({qi for qi, _ in members})
-        for op in jp.parts:
-            assert op.members
+        for op in real(jp):
             for row, (qi, _) in enumerate(op.members):
                 assert part.members[op.rows.src[row]] == qi
         length = part.rows.shape[1]
@@ -270,16 +281,17 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     mine = plan_questions(prepared, spans, QUESTION_ROWS, fit, only=joining)
     option_passes = plan_options(prepared, mine, fit)
     shared_passes = [jp for jp in work.joint if id(jp) not in alone_ids]
-    assert [op.members for jp in shared_passes for op in jp.parts] == [
+    assert [op.members for jp in shared_passes for op in real(jp)] == [
         op.members for op in option_passes
     ]
     for a, b in zip(shared_passes, shared_passes[1:], strict=False):
         if a.parts[-1].question_pass == b.parts[0].question_pass:
-            merged = joint_pass(prepared, spans, mine, [*a.parts, b.parts[0]], QUESTION_ROWS, fit)
+            ops = [*real(a), real(b)[0]]
+            merged = joint_pass(prepared, spans, mine, ops, QUESTION_ROWS, fit)
             qp = mine[a.parts[-1].question_pass]
             fitting = fits(qp, merged.parts, QUESTION_ROWS, fit, tokens)
-            assert len(merged.parts) > parts or not fitting
-    shared = [jp for jp in shared_passes if len(jp.parts) > 1]
+            assert len(merged.parts) > filled or not fitting
+    shared = [jp for jp in shared_passes if len(real(jp)) > 1]
     if tokens > FIT_TOKENS and fit and parts > 1:  # the speed bench's options: two buckets
         assert shared
     elif parts == 1:
@@ -304,12 +316,13 @@ def joint_rows_of(prepared, work, qid: str) -> list[dict]:
     return found
 
 
-def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer):
+@pytest.mark.parametrize("tokens", [FIT_TOKENS, 768])
+def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
     """plan(joint=True, fit=True): a question with more than JOINT_OPTIONS options runs its text
     and its options in joint passes holding nothing else (ALONE_FAMILY: 255 options of at most
     8 tokens in one 256 × 8 part), so its rows and their passes' shapes are the same alone,
     beside a small question or beside another wide one, in either order."""
-    from runtime.passes import ALONE_ROWS, OPTION_STEP
+    from runtime.passes import ALONE_ROWS, DUMMY_ROWS, OPTION_STEP, joint_parts
 
     wide, other = choice_with(255)["wide"], choice_with(70)["wide"]
     small = {"q0": QUESTIONS["q0"]}
@@ -317,11 +330,12 @@ def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer):
     def joint_plan(questions):
         request = compile_request(parse_body(request_body(IMAGE, questions)))
         prepared = prepare(request, tokenizer)
-        return prepared, plan(prepared, QUESTION_ROWS, fit=True, joint=True)
+        return prepared, plan(prepared, QUESTION_ROWS, fit=True, joint=True, joint_tokens=tokens)
 
     prepared, work = joint_plan({"wide": wide})
+    dummies = [(DUMMY_ROWS, OPTION_STEP)] * (joint_parts(tokens) - 1)
     assert [(jp.question.rows.shape, [op.rows.shape for op in jp.parts]) for jp in work.joint] == [
-        ((2, 16), [(ALONE_ROWS, OPTION_STEP)])
+        ((2, 16), [(ALONE_ROWS, OPTION_STEP), *dummies])
     ]
     expected = joint_rows_of(prepared, work, "wide")
     assert len(expected) == 1 + 255
