@@ -67,10 +67,12 @@ ALONE_FAMILY = ((MAX_OPTIONS, ALONE_ROWS, ALONE_ROWS * OPTION_STEP),)  # 256 × 
 # passes to one: 46.1 → 40.9 ms of GPU stages on the H200. But a pass of one part and a pass of
 # two are separate compiled graphs, and a question asked alone then differed from the same
 # question asked with others by up to 0.029 in BF16 (docs/measurements/h200-2026-12-02c): the
-# graphs' fused kernels round their intermediates differently. So every joint pass has exactly
-# JOINT_PARTS parts, those its questions do not fill a dummy part of DUMMY_ROWS × OPTION_STEP
-# padding tokens that nothing reads: one compiled graph, whatever else is asked
-JOINT_PARTS = 2
+# graphs' fused kernels round their intermediates differently. Every joint pass filled to two
+# parts by a dummy part of padding (one compiled graph whatever else is asked) did not give them
+# either: questions moved by up to 0.0056 asked in reverse order, and the dummy part cost 1 ms
+# of kernels and 1.5 ms of gaps in a one-question pass (h200-2026-12-02h). So one part, until
+# the two graphs give a row the same bytes; `joint_parts` fills passes where it is more
+JOINT_PARTS = 1
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
 # engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch

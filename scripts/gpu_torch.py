@@ -79,9 +79,7 @@ CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": WORK / "inductor", "TRITON_CACHE_DIR": 
 CACHE_PACK = Path(".gpu-cache")
 CACHE_PIECE = "15m"  # $OUT returns files of at most 16 MiB
 # (value columns, warps) of the option-row kernel to time beside the fixed one
-TILES = [(16, 1)]  # six measured in h200-2026-12-01c: (8, 1) ... (64, 4)
-# (value columns, warps) of the chunked option-row kernel (gdn_kernels.option_chunks)
-CHUNK_TILES = [(32, 4), (64, 4), (32, 8)]
+TILES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
 # rows of the products probed for row-count invariance: a pass's rows × tokens
 PRODUCT_ROWS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 1024]
 LOAD_CLIENTS = 8  # issue 13's closed-loop clients
@@ -286,9 +284,10 @@ def option_rows_kernel() -> list[dict]:
         states = torch.randn(sources, value_heads, dim, dim, device="cuda") * 0.05
         src = torch.randint(0, sources, (b,), device="cuda").sort().values  # as plans give
         scale = dim**-0.5
-        args = (q, k, v, g, beta, states, src, scale)
+        lengths = torch.full((b,), t, device="cuda")  # every token valid, as fla walks them
+        args = (q, k, v, g, beta, states, src, lengths, scale)
 
-        ours = partial(gdn_kernels.option_rows, *args)
+        ours = partial(gdn_kernels.option_rows_gated_delta, *args)
         fla_gathered = partial(
             fla_recurrent_output, q, k, v, g, beta, states[src].contiguous(), scale
         )
@@ -302,7 +301,6 @@ def option_rows_kernel() -> list[dict]:
             "max_difference": (fixed.float() - fla_gathered().float()).abs().max().item(),
             "repeatable": torch.equal(fixed, ours()),
             "tiles": {},
-            "chunks": {},
         }
         for block_v, warps in TILES:
             tile = partial(gdn_kernels.option_rows, *args, block_v=block_v, warps=warps)
@@ -311,21 +309,6 @@ def option_rows_kernel() -> list[dict]:
                 "ms": round(graph_ms(tile), 4),
                 "same_bytes": torch.equal(out, fixed),
                 "max_difference": (out.float() - fixed.float()).abs().max().item(),
-            }
-        reference = fla_gathered().float()
-        for block_v, warps in CHUNK_TILES:
-            chunks = partial(gdn_kernels.option_chunks, *args, block_v=block_v, warps=warps)
-            out = chunks()
-            # a row's bytes whatever else its program holds: the last row alone
-            alone = gdn_kernels.option_chunks(
-                *(x[-1:] for x in (q, k, v, g, beta)), states, src[-1:], scale,
-                block_v=block_v, warps=warps,
-            )  # fmt: skip
-            row["chunks"][f"{block_v}x{warps}"] = {
-                "ms": round(graph_ms(chunks), 4),
-                "max_difference_fla": (out.float() - reference).abs().max().item(),
-                "repeatable": torch.equal(out, chunks()),
-                "row_alone_same": torch.equal(alone[0], out[-1]),
             }
         rows.append(row)
         log(f"option rows {row}")
@@ -1087,10 +1070,6 @@ def session(final: bool) -> None:
         attempt(report, "product_rows", product_rows, executor)
     attempt(report, "gpu_stages", gpu_stages, executor, workloads)
     report["warm_stats"] = executor.backend.stats()
-    if not TINY:
-        from runtime.model import gdn_kernels
-
-        report["chunks_refused"] = list(gdn_kernels.CHUNKS_REFUSED)  # empty: it ran
     attempt(report, "invariance", invariance, executor)
     if executor.pass_shape()[1] and "--no-fixed" not in sys.argv:
         attempt(report, "fixed_rows", fixed_rows, executor, workloads)

@@ -309,7 +309,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = g.contiguous(), beta.contiguous()
             if src is not None and not want_state:
                 out = gdn_kernels.option_rows_gated_delta(
-                    q, k, v, g, beta, rec_past.float().contiguous(), src, self.dk**-0.5
+                    q, k, v, g, beta, rec_past.float().contiguous(), src, lengths, self.dk**-0.5
                 )
                 rec_state = None
             else:
