@@ -49,11 +49,11 @@ OPTION_FAMILIES = (
 # Joint passes (`plan(..., joint=True)`): the option passes of a question with at most this many
 # options run with its text's rows as one pass, reading the weights once for both: they are
 # bound by reading the weights (H200, 4b BF16, GPU stages: 1 question 32.8 → 28.1 ms, 32 options
-# 35.5 → 31.5; docs/measurements/h200-2026-12-02b). The wide family's 64 × 8 passes are bound by
-# their products, and a question part's rows past 512 cost a tile more (255 options joined:
-# 89.6 → 94.3 ms): they stay apart.
+# 35.5 → 31.5; docs/measurements/h200-2026-12-02b). The wide family's 64 × 8 passes joined with
+# the questions beside them were slower (255 options: 89.6 → 94.3 ms, a question part's rows past
+# 512 costing a tile more), so they do not share joint passes.
 JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
-# A question with more options joins too, but alone (`plan(joint=True, fit=True)`): its text
+# A question with more options joins, but alone (`plan(joint=True, fit=True)`): its text
 # and its own options only, in joint passes of this family, so that every shape it runs in is a
 # function of that question alone and may exceed the token slots the row floors were measured
 # for. One 256 × 8 pass holds 255 options of up to 8 tokens: on the H200 (4b, BF16) the wide
@@ -69,9 +69,10 @@ ALONE_FAMILY = ((MAX_OPTIONS, ALONE_ROWS, ALONE_ROWS * OPTION_STEP),)  # 256 × 
 # question asked with others by up to 0.029 in BF16 (docs/measurements/h200-2026-12-02c): the
 # graphs' fused kernels round their intermediates differently. Every joint pass filled to two
 # parts by a dummy part of padding (one compiled graph whatever else is asked) did not give them
-# either: questions moved by up to 0.0056 asked in reverse order, and the dummy part cost 1 ms
-# of kernels and 1.5 ms of gaps in a one-question pass (h200-2026-12-02h). So one part, until
-# the two graphs give a row the same bytes; `joint_parts` fills passes where it is more
+# either: questions moved by up to 0.0056 asked in reverse order (beside a chunked option-row
+# kernel since removed), and the dummy part cost 1 ms of kernels and 1.5 ms of gaps in a
+# one-question pass (h200-2026-12-02h). So one part, until a row gets the same bytes whatever
+# the parts' sizes; `joint_parts` fills the passes when this is raised
 JOINT_PARTS = 1
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
@@ -150,9 +151,8 @@ class Pass:
         `pad` False (a backend that reads outside its graphs in pieces of its own) the target
         lists keep their length."""
         read = padded(self.read_rows, 0)
-        targets = self.targets if pad or self.targets else [(0, 0)]
-        rows = [t[0] for t in targets]
-        tokens = [t[1] for t in targets]
+        rows = [t[0] for t in self.targets] or [0]
+        tokens = [t[1] for t in self.targets] or [0]
         if pad:
             rows, tokens = padded(rows, 0), padded(tokens, 0)
         return {
