@@ -520,11 +520,5 @@ def plan_alone(
     the shapes are a function of that question alone, whatever their token slots."""
     mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi})
     theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY)
-    read: set[int] = set()
-    joint = []
-    for start in range(0, len(theirs), parts):
-        ops = filled(theirs[start : start + parts], parts)
-        jp = joint_pass(prepared, spans, mine, ops, question_rows, True, read)
-        read |= set(jp.question.members)
-        joint.append(jp)
-    return joint
+    every_slot = sum(int(np.prod(op.rows.shape)) for op in theirs) + QUESTION_TOKENS  # no bound
+    return plan_joint(prepared, spans, mine, theirs, question_rows, True, every_slot, parts)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 from collections import defaultdict
 
-TOP = int(__import__("os").environ.get("TOP", 8))  # kernels listed per stage
+TOP = int(os.environ.get("TOP", 8))  # kernels listed per stage
 SYNC = ("cudaDeviceSynchronize",)  # what the stage clock's sync shows in the trace
 
 
