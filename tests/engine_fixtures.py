@@ -1,12 +1,62 @@
-"""Shared test helpers: ONNX Runtime engines for the tiny checkpoint, exported once per session."""
+"""Shared test helpers: ONNX Runtime engines for the tiny checkpoint, exported once per session.
+
+Every ONNX variant of an export is written once per session (`exported`): the engine fixtures
+read it, and `build_engines` in tests/test_engines.py copies it (`reuse_exports`) where it asks
+for the same export with the same arguments, since a variant of the tiny checkpoint takes 30-40 s
+to export on the 2-core CI machine.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 from tests.checkpoint_fixtures import tiny_export
 
+_EXPORTED: dict[tuple, Path] = {}  # (export dir, dtype, gdn, readout, graphs) -> variant folder
 _BUILT: dict[tuple[Path, str], Path] = {}
+
+
+def export_key(export: Path, dtype: str, gdn: str, readout: str, graphs: tuple) -> tuple:
+    return (Path(export).resolve(), dtype, gdn, readout, tuple(graphs))
+
+
+def exported(
+    tmp_path_factory, export: Path, dtype: str, gdn: str, readout: str, export_onnx=None
+) -> Path:
+    """The folder of one ONNX variant of `export` (every graph), exported once per session
+    (by `export_onnx`, the exporter's own where not given)."""
+    from build_engines import onnx_export
+
+    export_onnx = export_onnx or onnx_export.export_onnx
+    key = export_key(export, dtype, gdn, readout, onnx_export.GRAPHS)
+    if key not in _EXPORTED:
+        folder = tmp_path_factory.mktemp(f"onnx-{gdn}-{readout}") / "variant"
+        export_onnx(export, folder, dtype=dtype, gdn=gdn, readout=readout)
+        _EXPORTED[key] = folder
+    return _EXPORTED[key]
+
+
+def reuse_exports(tmp_path_factory, monkeypatch) -> None:
+    """Makes `build_engines.onnx_export.export_onnx` copy a session's variant (`exported`) into
+    the folder it is asked to write, where the arguments are the same, instead of exporting
+    again; the copy is the same files, so manifests, checks and plans see what an export
+    writes."""
+    from build_engines import onnx_export
+
+    real = onnx_export.export_onnx
+
+    def export_onnx(export_dir, out_dir, dtype="float32", gdn="ort", readout="std", **options):
+        if options.get("graphs", onnx_export.GRAPHS) != onnx_export.GRAPHS or options.get(
+            "attention"
+        ):
+            return real(export_dir, out_dir, dtype=dtype, gdn=gdn, readout=readout, **options)
+        folder = exported(tmp_path_factory, Path(export_dir), dtype, gdn, readout, real)
+        shutil.copytree(folder, out_dir, dirs_exist_ok=True)
+        return json.loads((Path(out_dir) / onnx_export.MANIFEST).read_text("utf-8"))
+
+    monkeypatch.setattr(onnx_export, "export_onnx", export_onnx)
 
 
 def tiny_variant(tmp_path_factory, gdn: str) -> Path:
@@ -18,12 +68,12 @@ def tiny_variant(tmp_path_factory, gdn: str) -> Path:
         variant_files,
         write_manifest,
     )
-    from build_engines.onnx_export import export_onnx
 
     export = tiny_export(tmp_path_factory)
     if (export, gdn) not in _BUILT:
         engines = tmp_path_factory.mktemp(f"tiny-{gdn}-engines")
-        export_onnx(export, engines / "onnx_ort", dtype="float32", gdn=gdn, readout="std")
+        folder = exported(tmp_path_factory, export, "float32", gdn, "std")
+        shutil.copytree(folder, engines / "onnx_ort")
         # what `omnijev engines --skip-plans` records, so the directory passes verification
         manifest = {
             "format": FORMAT,

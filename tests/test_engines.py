@@ -392,10 +392,16 @@ def test_polygraphy_inspects_every_onnx_file(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_engines(tmp_path_factory):
+    """`omnijev engines` on the tiny checkpoint; its two ONNX variants are the session's own
+    exports of the same arguments (tests/engine_fixtures.py), copied in, not exported again."""
     from build_engines.engines import build_engines
     from tests.checkpoint_fixtures import tiny_export
+    from tests.engine_fixtures import reuse_exports
 
-    return build_engines(tiny_export(tmp_path_factory), tmp_path_factory.mktemp("tiny-engines"))
+    with pytest.MonkeyPatch.context() as patch:
+        reuse_exports(tmp_path_factory, patch)
+        export = tiny_export(tmp_path_factory)
+        return build_engines(export, tmp_path_factory.mktemp("tiny-engines"))
 
 
 @needs_library
