@@ -23,6 +23,9 @@ GRAPHS = ("vision", "lm_state", "lm_rows")
 # option pass continuing its rows (a part) by its prefix + the names (readouts likewise), the
 # first part's JOINT (runtime.passes.JOINT_PARTS parts at most)
 JOINT_GRAPH = "lm_joint"
+# The torch backend's vision tower from the decoded uint8 image (`rgb`, then the tower's tables):
+# the device resize and patches in the tower's CUDA graph, not launched op by op before it
+IMAGE_GRAPH = "image"
 JOINT = "opt."
 JOINT_PREFIXES = (JOINT, "opt1.")
 

@@ -22,7 +22,7 @@ import torch
 
 from runtime.backends import Backend, choose_backend
 from runtime.config import RuntimeConfig
-from runtime.constants import IMAGE_PAD_ID, JOINT_GRAPH, JOINT_PREFIXES, MODEL_ID
+from runtime.constants import IMAGE_GRAPH, IMAGE_PAD_ID, JOINT_GRAPH, JOINT_PREFIXES, MODEL_ID
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.manifest import verify_engine_dir
@@ -319,9 +319,7 @@ class Executor:
 
     def vision(self, prepared: Prepared) -> torch.Tensor:
         image = prepared.image
-        dtypes = self.backend.input_dtypes("vision")
         feeds = dict(self.vision_tables(tuple(int(x) for x in image.grid_thw)))
-        feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
         rows = image.image_tokens
         # zero rows up to the prefix's bucket: the pass takes image rows in order, so the extra
         # rows are never read, and the prefix pass's shapes repeat across image sizes
@@ -329,10 +327,20 @@ class Executor:
         features = torch.zeros(
             bucket(rows, PREFIX_STEP), self.dims.hidden, dtype=dtype, device=self.device
         )
-        self.backend.run(
-            "vision", feeds, {self.output_name("vision", "image_features"): features[:rows]}
-        )
+        graph = self.vision_graph(image)
+        if graph == IMAGE_GRAPH:
+            feeds["rgb"] = self.tensor(image.rgb, torch.uint8)
+        else:
+            dtypes = self.backend.input_dtypes("vision")
+            feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
+        self.backend.run(graph, feeds, {self.output_name(graph, "image_features"): features[:rows]})
         return features
+
+    def vision_graph(self, image: PreparedImage) -> str:
+        """`image` (the backend resizes and packs the decoded image inside the tower's graph)
+        where the backend has it and the image is left to the device whole; else `vision`."""
+        whole = image.pixel_values is None and image.resized is None
+        return IMAGE_GRAPH if whole and self.backend.has_graph(IMAGE_GRAPH) else "vision"
 
     def pixel_values(self, image: PreparedImage, dtype: torch.dtype) -> torch.Tensor:
         """The vision tower's patches: packed on the host, or made on the device from the uint8

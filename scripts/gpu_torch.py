@@ -292,11 +292,14 @@ def option_rows_kernel() -> list[dict]:
             fla_recurrent_output, q, k, v, g, beta, states[src].contiguous(), scale
         )
         fixed = ours()
+        unfetched = partial(gdn_kernels.option_rows, *args, prefetch=False)
         row = {
             "rows": b,
             "tokens": t,
             "sources": sources,
             "ours_ms": graph_ms(ours),
+            "no_prefetch_ms": graph_ms(unfetched),
+            "prefetch_same_bytes": torch.equal(unfetched(), fixed),
             "fla_gathered_ms": graph_ms(fla_gathered),
             "max_difference": (fixed.float() - fla_gathered().float()).abs().max().item(),
             "repeatable": torch.equal(fixed, ours()),

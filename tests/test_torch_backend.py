@@ -470,6 +470,27 @@ def test_torch_passes_leave_the_empty_state_empty(executor):
     assert all(not t.any() for t in [*empty.k, *empty.v, *empty.conv, *empty.rec, empty.mask])
 
 
+def test_the_image_graph_answers_as_the_host_packed_pixels(executor):
+    """The GPU's preparation leaves the decoded image whole (`prepare(pack=False, resize=False)`)
+    and the `image` graph resizes and packs it ahead of the tower: the same features, so the same
+    readouts, as the host's resize and patches through `vision`."""
+    from runtime.constants import IMAGE_GRAPH
+    from runtime.contract import compile_request
+    from runtime.processing import prepare
+
+    body = json.loads(request_body(pattern_png(333, 217), speed_bench_questions(3), "image/png"))
+    host = prepare(compile_request(body), executor.tokenizer)
+    whole = prepare(compile_request(body), executor.tokenizer, pack=False, resize=False)
+    assert whole.image.pixel_values is None and whole.image.resized is None
+    assert executor.vision_graph(host.image) == "vision"
+    assert executor.vision_graph(whole.image) == IMAGE_GRAPH
+    with torch.inference_mode():
+        assert torch.equal(executor.vision(whole), executor.vision(host))
+    for a, b in zip(executor.readouts(whole), executor.readouts(host), strict=True):
+        assert np.array_equal(a.zq, b.zq) and np.array_equal(a.u, b.u)
+        assert all(np.array_equal(x, y) for x, y in zip(a.picked, b.picked, strict=True))
+
+
 def test_heads_on_the_engines_device_give_the_same_answers(engines, executor):
     """--device-heads (on by default on CUDA): the heads' large products where the engine runs
     (here the CPU, the same code as on CUDA), the same answers byte for byte as the host's."""

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from runtime.backends.aot import AOT_DIR_ENV, AheadOfTimeBlock, aot_folder, enabled, supported
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
-from runtime.constants import DTYPES, JOINT_GRAPH, JOINT_PREFIXES
+from runtime.constants import DTYPES, IMAGE_GRAPH, JOINT_GRAPH, JOINT_PREFIXES
+from runtime.images import NORMALIZED, device_pixel_values, resize_rgb_torch, smart_resize
 from runtime.model.language import (
     BLOCKS,
     JOINT_BLOCKS,
@@ -48,6 +49,10 @@ READOUT_PIECE = 128
 # to an sm75 kernel on the H200 (engines.md §15); the padded rows are never read
 TABLE_ALIGN = 64
 GRAPH_SLOTS = 64  # shape signatures kept per graph, each with its buffers and CUDA graph
+# the image graph's slots are keyed by the decoded image's size, of which a deployment may send
+# many more than patch grids: its last few sizes keep a graph (each holds the tower's own
+# activations), an older size is captured again
+IMAGE_SLOTS = 8
 RECOMPILE_LIMIT = 256  # dynamo's per-function cache (default 8): one entry per shape family
 TORCH_DIR = "torch"  # in an engine directory: the compiler caches `omnijev engines` prepared
 INDUCTOR_CACHE = "inductor"
@@ -56,6 +61,11 @@ AOT_CACHE = "aot"  # the blocks' functions saved ahead of time (runtime.backends
 ENGINES_MANIFEST = "engines.json"
 ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
+# the image graph's: the decoded image as uint8 [H, W, 3], then the vision tower's tables; the
+# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph.
+# On the H200 the executor spent 1.3-1.6 ms launching the upload, the device resize and the
+# patches op by op before the tower's graph replayed (h200-2026-12-02, `vision_enqueue`)
+IMAGE_INPUTS = ("rgb", *VISION_INPUTS[1:])
 LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH)
 VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
 # read by the readout, which runs after the captured body: a pass's graph is keyed by the body's
@@ -257,12 +267,14 @@ class TorchBackend:
                 self.device,
                 bind=self.bind,
                 launch=partial(self.launch, graph),
-                size=GRAPH_SLOTS,
+                size=IMAGE_SLOTS if graph == IMAGE_GRAPH else GRAPH_SLOTS,
                 capture=graphs,
             )
-            for graph in ("vision", *LM_GRAPHS)
+            for graph in ("vision", IMAGE_GRAPH, *LM_GRAPHS)
         }
-        self._dtypes = {graph: self.graph_dtypes(graph) for graph in ("vision", *LM_GRAPHS)}
+        graphs_here = ("vision", IMAGE_GRAPH, *LM_GRAPHS)
+        self._dtypes = {graph: self.graph_dtypes(graph) for graph in graphs_here}
+        self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)  # the patches' lookup
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
 
     # -- set-up -----------------------------------------------------------------------------
@@ -364,6 +376,8 @@ class TorchBackend:
     def graph_dtypes(self, graph: str) -> dict[str, torch.dtype]:
         if graph == "vision":
             return dict.fromkeys(VISION_INPUTS, torch.float32)
+        if graph == IMAGE_GRAPH:
+            return {"rgb": torch.uint8, **dict.fromkeys(IMAGE_INPUTS[1:], torch.float32)}
         dtypes = {}
         for name in lm_input_names(self.config):
             if name in ("prefix_mask", "src_mask"):
@@ -390,7 +404,7 @@ class TorchBackend:
         return self._dtypes[graph]
 
     def output_names(self, graph: str) -> list[str]:
-        if graph == "vision":
+        if graph in ("vision", IMAGE_GRAPH):
             return ["image_features"]
         if graph == JOINT_GRAPH:
             parts = (p + name for p in JOINT_PREFIXES for name in READOUT_OUTPUTS)
@@ -401,7 +415,7 @@ class TorchBackend:
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self.checked(graph, feeds)
-        if graph == "vision":
+        if graph in ("vision", IMAGE_GRAPH):
             if self.device.type != "cuda":
                 outputs["image_features"].copy_(self.compute(graph, feeds)["image_features"])
             else:
@@ -497,7 +511,19 @@ class TorchBackend:
         after the final norm, which the readouts read)."""
         if graph == "vision":
             return {"image_features": self.functions["vision"](*(feeds[n] for n in VISION_INPUTS))}
+        if graph == IMAGE_GRAPH:
+            pixels = self.image_pixels(feeds["rgb"])
+            tables = (feeds[n] for n in IMAGE_INPUTS[1:])
+            return {"image_features": self.functions["vision"](pixels, *tables)}
         return self.functions[graph](feeds)
+
+    def image_pixels(self, rgb: torch.Tensor) -> torch.Tensor:
+        """The vision tower's float32 patches of a decoded uint8 image: `resize_rgb_torch` to
+        `smart_resize` of its size, then `device_pixel_values`, the host's bytes (executor's
+        `pixel_values` on the same image)."""
+        height, width = smart_resize(rgb.shape[0], rgb.shape[1])
+        resized = resize_rgb_torch(rgb, height, width)
+        return device_pixel_values(resized, self.pixel_table).contiguous()
 
     def readout(
         self, flat: torch.Tensor, target_rows: torch.Tensor, tokens: torch.Tensor

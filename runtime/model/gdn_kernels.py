@@ -25,6 +25,10 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 # process sums in the same order (an autotuner may pick differently after a restart)
 ROWS_BLOCK_V = 16
 ROWS_WARPS = 1
+# the option-row kernel loads a token's inputs while the token before it computes: a program
+# is one warp walking its row's tokens one after another, so each step otherwise waited for its
+# loads before any arithmetic (same arithmetic, so the same bytes either way)
+ROWS_PREFETCH = True
 # fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
 # one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
 # crossover, docs/measurements/h200-2026-12-01): recurrent faster only for 64 rows × 8 tokens
@@ -94,9 +98,11 @@ if triton is not None:
         V: tl.constexpr,
         BV: tl.constexpr,
         EPS: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         """One program: one row, one value head, BV value columns, the row's valid tokens in
-        order, zeros for its padding (whose outputs no valid token reads)."""
+        order, zeros for its padding (whose outputs no valid token reads). With PREFETCH the
+        next token's inputs are loaded before this token's arithmetic, which is unchanged."""
         i_v = tl.program_id(0)
         i_nh = tl.program_id(1).to(tl.int64)
         i_n = i_nh // HV
@@ -108,14 +114,33 @@ if triton is not None:
         tile = states + (source * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         h = tl.load(tile).to(tl.float32)
         valid = tl.load(lengths + i_n).to(tl.int32)
+        token = i_n * T
+        # the first token's inputs (nothing read for a row without one); each step then loads
+        # the next token's while the current one's arithmetic runs
+        more = valid > 0
+        n_q = tl.load(q + (token * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
+        n_k = tl.load(k + (token * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
+        n_v = tl.load(v + (token * HV + i_hv) * V + o_v, mask=(o_v < V) & more, other=0.0)
+        n_g = tl.load(g + token * HV + i_hv, mask=more, other=0.0)
+        n_beta = tl.load(beta + token * HV + i_hv, mask=more, other=0.0)
         t = 0
         while t < valid:
-            token = i_n * T + t
-            b_q = tl.load(q + (token * H + i_h) * K + o_k).to(tl.float32)
-            b_k = tl.load(k + (token * H + i_h) * K + o_k).to(tl.float32)
-            b_v = tl.load(v + (token * HV + i_hv) * V + o_v).to(tl.float32)
-            b_g = tl.load(g + token * HV + i_hv).to(tl.float32)
-            b_beta = tl.load(beta + token * HV + i_hv).to(tl.float32)
+            if PREFETCH:
+                b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
+                b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
+                more = t + 1 < valid
+                after = token + 1
+                n_q = tl.load(q + (after * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
+                n_k = tl.load(k + (after * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
+                n_v = tl.load(v + (after * HV + i_hv) * V + o_v, mask=(o_v < V) & more, other=0.0)
+                n_g = tl.load(g + after * HV + i_hv, mask=more, other=0.0)
+                n_beta = tl.load(beta + after * HV + i_hv, mask=more, other=0.0)
+            else:
+                b_q = tl.load(q + (token * H + i_h) * K + o_k).to(tl.float32)
+                b_k = tl.load(k + (token * H + i_h) * K + o_k).to(tl.float32)
+                b_v = tl.load(v + (token * HV + i_hv) * V + o_v).to(tl.float32)
+                b_g = tl.load(g + token * HV + i_hv).to(tl.float32)
+                b_beta = tl.load(beta + token * HV + i_hv).to(tl.float32)
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
             h = h * tl.exp(b_g)
@@ -123,10 +148,11 @@ if triton is not None:
             h = h + b_k[:, None] * b_v[None, :]
             b_o = tl.sum(h * b_q[:, None], 0)
             tl.store(out + (token * HV + i_hv) * V + o_v, b_o.to(out.dtype.element_ty))
+            token += 1
             t += 1
         while t < T:
-            token = i_n * T + t
             tl.store(out + (token * HV + i_hv) * V + o_v, tl.zeros([BV], out.dtype.element_ty))
+            token += 1
             t += 1
 
 
@@ -151,10 +177,22 @@ def option_rows_gated_delta(
 
 
 def option_rows(
-    q, k, v, g, beta, states, src, lengths, scale, block_v=ROWS_BLOCK_V, warps=ROWS_WARPS
+    q,
+    k,
+    v,
+    g,
+    beta,
+    states,
+    src,
+    lengths,
+    scale,
+    block_v=ROWS_BLOCK_V,
+    warps=ROWS_WARPS,
+    prefetch=ROWS_PREFETCH,
 ):
-    """The option-row kernel at a given tile (value columns per program, warps): the custom op
-    runs the fixed ROWS_BLOCK_V × ROWS_WARPS; scripts/gpu_torch.py times the others."""
+    """The option-row kernel at a given tile (value columns per program, warps) and with or
+    without its loads a token ahead: the custom op runs the fixed ROWS_BLOCK_V × ROWS_WARPS
+    with ROWS_PREFETCH; scripts/gpu_torch.py times the others."""
     if triton is None:
         raise RuntimeError("the option rows kernel needs triton")
     b, t, heads, dk = q.shape
@@ -181,6 +219,7 @@ def option_rows(
         V=dv,
         BV=block_v,
         EPS=L2_EPS,
+        PREFETCH=prefetch,
         num_warps=warps,
     )
     return out
