@@ -16,6 +16,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py parts [--emulate-casts]   # two-part joint passes: invariance,
                                            # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
+    python scripts/gpu_torch.py probe      # the option-row kernel's prefetch; the image graph
+                                           # on the tiny checkpoint (a short call, no 4b)
 
 `OMNIJEV_AOT_BLOCKS=1` in the environment (this process and those it starts) compiles the
 language-model blocks ahead of time (runtime.backends.aot): `cold` then measures a start that
@@ -316,6 +318,126 @@ def option_rows_kernel() -> list[dict]:
         rows.append(row)
         log(f"option rows {row}")
     return rows
+
+
+def prefetch_probe() -> list[dict]:
+    """The option-row kernel with its loads a token ahead against the kernel without (4b shapes,
+    rows with padding as option passes have): the same bytes, CUDA-graph replays of each, and
+    the largest difference to fla's fused recurrent kernel on gathered states (valid tokens)."""
+    import torch
+
+    from runtime.model import gdn_kernels
+
+    rows = []
+    heads, value_heads, dim = 16, 32, 128
+    shapes = ((256, 8, 1), (32, 8, 11), (4, 24, 1), (64, 8, 16), (32, 16, 16), (16, 24, 16))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def random(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator)
+
+    for b, t, sources in shapes:
+        q, k = random(b, t, heads, dim).bfloat16(), random(b, t, heads, dim).bfloat16()
+        v = random(b, t, value_heads, dim).bfloat16()
+        lengths = torch.randint(1, t + 1, (b,), device="cuda", generator=generator)
+        lengths[0] = t
+        valid = torch.arange(t, device="cuda")[None, :] < lengths[:, None]
+        g = torch.where(valid[..., None], -torch.rand(b, t, value_heads, device="cuda"), 0.0)
+        beta = torch.where(valid[..., None], torch.rand(b, t, value_heads, device="cuda"), 0.0)
+        states = random(sources, value_heads, dim, dim) * 0.05
+        src = torch.randint(0, sources, (b,), device="cuda", generator=generator).sort().values
+        args = (q, k, v, g, beta, states, src, lengths, dim**-0.5)
+        ahead = partial(gdn_kernels.option_rows, *args, prefetch=True)
+        plain = partial(gdn_kernels.option_rows, *args, prefetch=False)
+        out = ahead()
+        fla = fla_recurrent_output(q, k, v, g, beta, states[src].contiguous(), dim**-0.5)
+        row = {
+            "rows": b,
+            "tokens": t,
+            "sources": sources,
+            "valid_tokens": int(lengths.sum()),
+            "same_bytes": torch.equal(out, plain()),
+            "repeatable": torch.equal(out, ahead()),
+            "padding_zero": bool((out[~valid] == 0).all()),
+            "prefetch_ms": round(graph_ms(ahead), 4),
+            "plain_ms": round(graph_ms(plain), 4),
+            "max_difference_fla": (out.float() - fla.float())[valid].abs().max().item(),
+        }
+        rows.append(row)
+        log(f"prefetch {row}")
+    return rows
+
+
+def image_graph_probe() -> dict:
+    """The image graph (resize and patches inside the vision tower's CUDA graph) on the tiny
+    checkpoint in BF16 on CUDA, eager modules: its features against the vision graph's on the
+    host's pixels (eager launch, capture, replay), a request's readouts by either path, and the
+    time of `Executor.vision` by either path on one image (the host's launches included)."""
+    import numpy as np
+    import torch
+
+    from build_engines.checkpoints import make_checkpoint, release_path
+    from build_engines.engines import FORMAT, checkpoint_record, write_manifest
+    from reference.questions import pattern_png, request_body, speed_bench_questions
+    from runtime.backends import compiled
+    from runtime.config import RuntimeConfig
+    from runtime.contract import compile_request
+    from runtime.executor import Executor
+    from runtime.processing import prepare
+
+    export = WORK / "tiny-probe-export"
+    if not export.exists():
+        make_checkpoint("tiny", 0, export)
+        shutil.rmtree(release_path(export), ignore_errors=True)
+    engines = WORK / "engines-tiny-probe"
+    engines.mkdir(parents=True, exist_ok=True)
+    record = {"format": FORMAT, "dtype": "bfloat16", "checkpoint": checkpoint_record(export)}
+    write_manifest(engines, record)
+    executor = Executor(export, engines, RuntimeConfig(backend="torch", prefix_cache=0))
+    backend = executor.backend
+    backend.compiled = False
+    backend.functions = compiled.TorchBackend.make_functions(backend)
+    body = json.loads(request_body(pattern_png(1600, 900), speed_bench_questions(12)))
+    whole = executor.prepare(body)
+    host = prepare(compile_request(body), executor.tokenizer)
+    found = {"backend": backend.name, "graph": executor.vision_graph(whole.image)}
+    with torch.inference_mode():
+        image = [executor.vision(whole) for _ in range(3)]  # eager, capture, replay
+        pixels = [executor.vision(host) for _ in range(3)]
+        found["image_repeatable"] = all(torch.equal(f, image[0]) for f in image)
+        found["same_as_vision"] = all(torch.equal(f, pixels[0]) for f in image + pixels)
+        a, b = executor.readouts(whole), executor.readouts(host)
+        pairs = zip(a, b, strict=True)
+        found["readouts_same"] = all(
+            np.array_equal(x.zq, y.zq) and np.array_equal(x.u, y.u) for x, y in pairs
+        )
+
+        def timed(graph: str) -> float:
+            executor.vision_graph = lambda image: graph
+            executor.vision(whole)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(20):
+                started = time.perf_counter()
+                executor.vision(whole)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - started) * 1e3)
+            return round(statistics.median(times), 3)
+
+        found["vision_ms"] = {"image graph": timed("image"), "op by op": timed("vision")}
+    found["stats"] = backend.stats()
+    log(f"image graph {found}")
+    return found
+
+
+def probe_session() -> None:
+    """One short call: `prefetch_probe` and `image_graph_probe`."""
+    report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
+    attempt(report, "prefetch", prefetch_probe)
+    save("probe.json", report)
+    attempt(report, "image_graph", image_graph_probe)
+    save("probe.json", report)
+    print(json.dumps(report, indent=1, default=str)[:8000])
 
 
 def product_rows(executor) -> dict:
@@ -1313,5 +1435,7 @@ if __name__ == "__main__":
         waits_session()
     elif mode == "parts":
         parts_session()
+    elif mode == "probe":
+        probe_session()
     else:
         session(final=mode == "final")

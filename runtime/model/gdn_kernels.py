@@ -115,26 +115,25 @@ if triton is not None:
         h = tl.load(tile).to(tl.float32)
         valid = tl.load(lengths + i_n).to(tl.int32)
         token = i_n * T
-        # the first token's inputs (nothing read for a row without one); each step then loads
-        # the next token's while the current one's arithmetic runs
-        more = valid > 0
-        n_q = tl.load(q + (token * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
-        n_k = tl.load(k + (token * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
-        n_v = tl.load(v + (token * HV + i_hv) * V + o_v, mask=(o_v < V) & more, other=0.0)
-        n_g = tl.load(g + token * HV + i_hv, mask=more, other=0.0)
-        n_beta = tl.load(beta + token * HV + i_hv, mask=more, other=0.0)
+        last = token + T - 1  # the row's last slot: a load ahead never leaves the row
+        # the first token's inputs (a row with none reads a padding slot, unused); each step
+        # then loads the next token's while the current one's arithmetic runs
+        n_q = tl.load(q + (token * H + i_h) * K + o_k)
+        n_k = tl.load(k + (token * H + i_h) * K + o_k)
+        n_v = tl.load(v + (token * HV + i_hv) * V + o_v)
+        n_g = tl.load(g + token * HV + i_hv)
+        n_beta = tl.load(beta + token * HV + i_hv)
         t = 0
         while t < valid:
             if PREFETCH:
                 b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
                 b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
-                more = t + 1 < valid
-                after = token + 1
-                n_q = tl.load(q + (after * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
-                n_k = tl.load(k + (after * H + i_h) * K + o_k, mask=(o_k < K) & more, other=0.0)
-                n_v = tl.load(v + (after * HV + i_hv) * V + o_v, mask=(o_v < V) & more, other=0.0)
-                n_g = tl.load(g + after * HV + i_hv, mask=more, other=0.0)
-                n_beta = tl.load(beta + after * HV + i_hv, mask=more, other=0.0)
+                after = tl.minimum(token + 1, last)
+                n_q = tl.load(q + (after * H + i_h) * K + o_k)
+                n_k = tl.load(k + (after * H + i_h) * K + o_k)
+                n_v = tl.load(v + (after * HV + i_hv) * V + o_v)
+                n_g = tl.load(g + after * HV + i_hv)
+                n_beta = tl.load(beta + after * HV + i_hv)
             else:
                 b_q = tl.load(q + (token * H + i_h) * K + o_k).to(tl.float32)
                 b_k = tl.load(k + (token * H + i_h) * K + o_k).to(tl.float32)
