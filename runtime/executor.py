@@ -181,9 +181,13 @@ class Executor:
         # float32 patches) and the resize and the patches are made there, byte for byte the
         # host's: the resize took 6-7 ms of the H200 host's preparation
         host = self.device.type == "cpu"
-        # the plan is made while the image decodes: it needs the rows, not the pixels
+        # the plan is made while the image decodes: it needs the rows, not the pixels; a PNG
+        # decodes straight into pinned memory, which the upload then reads as it is
         request = compile_request(obj)
-        return prepare(request, self.tokenizer, pack=host, resize=host, planner=self.plan_of)
+        allocate = None if host else pinned_uint8
+        return prepare(
+            request, self.tokenizer, pack=host, resize=host, planner=self.plan_of, allocate=allocate
+        )
 
     def plan_of(self, prepared: Prepared) -> tuple:
         """(pass shape, plan) of a request, as `readouts` takes them from `Prepared.planned`."""
@@ -680,14 +684,27 @@ class Stopwatch:
 
 def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A host array on the device; on CUDA through one copy into pinned memory (the array may be
-    a read-only view, as a decoded image is) and without waiting, so that the host prepares the
-    next pass while the device runs this one."""
+    a read-only view, as a decoded image is), none where it is pinned already (`pinned_uint8`),
+    and without waiting, so that the host prepares the next pass while the device runs this
+    one."""
     if device.type != "cuda":
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype)
+    if array.flags.c_contiguous and array.flags.writeable:
+        given = torch.from_numpy(array)
+        if given.is_pinned():
+            return given.to(device, dtype, non_blocking=True)
     kind = torch.from_numpy(np.empty(0, array.dtype)).dtype
     pinned = torch.empty(array.shape, dtype=kind, pin_memory=True)
     pinned.numpy()[...] = array
     return pinned.to(device, dtype, non_blocking=True)
+
+
+def pinned_uint8(shape: tuple[int, ...]) -> np.ndarray:
+    """A uint8 array in pinned host memory, for a decode to write the image into: its upload
+    then copies nothing on the host (0.42 ms of a 1600 × 900 image on the H200's host, against
+    0.15 ms for the transfer; h200-2026-12-03). The array keeps its tensor, so the memory lives
+    as long as the prepared request, whose readouts wait for the device after the upload."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 def upload_ints(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:

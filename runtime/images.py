@@ -40,6 +40,8 @@ MAGIC = {  # the signatures the image crate's guess_format (and Pillow's _accept
     "image/jpeg": b"\xff\xd8\xff",
 }
 PILLOW_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG"}
+# where a decode may write its uint8 [H, W, 3] array (`decode_rgb(allocate=...)`): given the shape
+Allocate = Callable[[tuple[int, ...]], np.ndarray]
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024  # §2.3: decoded image size, 8 MiB
 MAX_ENCODED_CHARS = 4 * math.ceil(MAX_IMAGE_BYTES / 3)  # 11,184,812: the base64 length of 8 MiB
@@ -302,11 +304,15 @@ def check_size(width: int, height: int) -> None:
         raise ContractError("image aspect ratio must be at most 200")
 
 
-def decode_rgb(data: bytes, mime: str, opened: OpenedImage | None = None) -> np.ndarray:
+def decode_rgb(
+    data: bytes, mime: str, opened: OpenedImage | None = None, allocate: Allocate | None = None
+) -> np.ndarray:
     """Pillow's `Image.open(...).convert("RGB")` as uint8 [H, W, 3], refusing animations.
 
     `opened` is the contract's open image of these bytes, used if not taken yet. The array is a
     read-only view of Pillow's pixel bytes: `convert("RGB")` of an RGB image would only copy.
+    `allocate(shape)` gives the uint8 array a PNG that libspng decodes is written into (pinned
+    memory, for an upload without a copy); Pillow's decodes keep their own.
     """
     image = opened.take() if opened is not None else None
     if image is None:
@@ -316,7 +322,7 @@ def decode_rgb(data: bytes, mime: str, opened: OpenedImage | None = None) -> np.
         width, height = image.size
         if width * height * PILLOW_PEAK_BYTES_PER_PIXEL > MAX_DECODE_BYTES:
             raise ContractError(INVALID_IMAGE)
-        fast = fast_png(data, image) if mime == "image/png" else None
+        fast = fast_png(data, image, allocate) if mime == "image/png" else None
         if fast is not None:
             return fast
         try:
@@ -380,7 +386,9 @@ def fast_png_codecs() -> tuple[Callable[[bytes, int], bytes], Libspng] | None:
         return None
 
 
-def fast_png(data: bytes, image: Image.Image) -> np.ndarray | None:
+def fast_png(
+    data: bytes, image: Image.Image, allocate: Allocate | None = None
+) -> np.ndarray | None:
     """`convert("RGB")` of an opened, unloaded 8-bit RGB, RGBA or gray PNG by libdeflate and
     libspng, or None where Pillow must decode it (other modes, interlace, image data that is not
     one run of IDAT chunks then IEND, a stream either library refuses).
@@ -412,7 +420,8 @@ def fast_png(data: bytes, image: Image.Image) -> np.ndarray | None:
     if filters.max() > PNG_FILTERS:
         return None
     gray = spng_format == "G8"
-    out = np.empty((height, width) if gray else (height, width, 3), np.uint8)
+    shape = (height, width) if gray else (height, width, 3)
+    out = allocate(shape) if allocate is not None and not gray else np.empty(shape, np.uint8)
     pieces = png_pieces(filters, stride, DECODE_THREADS)
     if not unfilter_pieces(libspng, raw, pieces, out, stride, colour_type, spng_format):
         return None
@@ -738,6 +747,7 @@ def prepare_image(
     opened: OpenedImage | None = None,
     pack: bool = True,
     resize: bool = True,
+    allocate: Allocate | None = None,
 ) -> PreparedImage:
     """Decodes, resizes, normalizes and packs an image for the vision tower.
 
@@ -746,7 +756,7 @@ def prepare_image(
     With `resize` False as well, the resize is left to the device too (`resize_rgb_torch(rgb)`):
     `resized` is None and `digest` names the image for the prefix cache.
     """
-    rgb = decode_rgb(data, mime, opened)
+    rgb = decode_rgb(data, mime, opened, allocate)
     height, width = rgb.shape[:2]
     size = smart_resize(height, width)
     resized = digest = None

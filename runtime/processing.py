@@ -382,6 +382,7 @@ def prepare(
     pack: bool = True,
     resize: bool = True,
     planner: Callable[[Prepared], object] | None = None,
+    allocate: Callable[[tuple[int, ...]], np.ndarray] | None = None,
 ) -> Prepared:
     """Decodes the image (unless given), tokenizes every question and lays out its rows.
 
@@ -390,17 +391,18 @@ def prepare(
     from the header's size); its refusals still come first. `planner` makes `Prepared.planned`
     from the request without its image, on this thread, while the decode runs. `pack` False
     leaves the patches to the device, and `resize` False the resize as well
-    (`runtime.images.prepare_image`).
+    (`runtime.images.prepare_image`); `allocate` gives the decoded image's array where the
+    decode can write into one (`runtime.images.decode_rgb`).
     """
     started = time.perf_counter()
     pending = None
     if image is None:
-        pending = start_image(request, pack, resize)
+        pending = start_image(request, pack, resize, allocate)
         if pending is None:
             from runtime.images import prepare_image
 
             image = prepare_image(
-                request.image_bytes, request.image_mime, request.opened, pack, resize
+                request.image_bytes, request.image_mime, request.opened, pack, resize, allocate
             )
     draft, planned, failure = None, None, None
     try:
@@ -431,14 +433,22 @@ def prepare(
     )
 
 
-def start_image(request: Request, pack: bool = True, resize: bool = True) -> Future | None:
+def start_image(
+    request: Request, pack: bool = True, resize: bool = True, allocate=None
+) -> Future | None:
     """`prepare_image` on an image thread, for a request with the contract's open image."""
     if request.opened is None:
         return None
     from runtime.images import prepare_image
 
     return process_pool("image", IMAGE_THREADS).submit(
-        prepare_image, request.image_bytes, request.image_mime, request.opened, pack, resize
+        prepare_image,
+        request.image_bytes,
+        request.image_mime,
+        request.opened,
+        pack,
+        resize,
+        allocate,
     )
 
 

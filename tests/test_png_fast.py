@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import struct
 import zlib
 
@@ -88,7 +89,7 @@ def pillow_rgb(data: bytes) -> np.ndarray:
 def outcome(data: bytes, monkeypatch=None) -> tuple[str, bytes]:
     """decode_rgb's pixels or refusal; with `monkeypatch`, the runtime's Pillow path alone."""
     if monkeypatch is not None:
-        monkeypatch.setattr(images, "fast_png", lambda data, image: None)
+        monkeypatch.setattr(images, "fast_png", lambda data, image, allocate=None: None)
     try:
         rgb = images.decode_rgb(data, "image/png")
         return "pixels", rgb.shape[:2] + (rgb.tobytes(),)
@@ -170,6 +171,39 @@ def test_the_bench_still_decodes_in_pieces_as_in_one():
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(images, "DECODE_THREADS", threads)
             assert images.decode_rgb(still, "image/png").tobytes() == whole.tobytes()
+
+
+def test_a_decode_writes_into_the_array_it_is_given():
+    """`allocate` (pinned memory on a GPU) receives the decoded image of a PNG libspng decodes,
+    through `prepare` and its image thread too; a gray PNG, repeated into RGB, and Pillow's
+    decodes keep arrays of their own; the bytes are Pillow's either way."""
+    from reference.questions import pattern_png, request_body, speed_bench_questions
+    from runtime.contract import compile_request
+    from runtime.processing import prepare
+    from runtime.tokenizer import build_tokenizer
+
+    given: list[np.ndarray] = []
+
+    def allocate(shape: tuple[int, ...]) -> np.ndarray:
+        given.append(np.full(shape, 7, np.uint8))
+        return given[-1]
+
+    rng = np.random.default_rng(3)
+    for mode in ("RGB", "RGBA", "L"):
+        data = hand_png(pixels_of(rng, (61, 23), mode, True), mode, [4] * 23)
+        got = images.decode_rgb(data, "image/png", allocate=allocate)
+        assert got.tobytes() == pillow_rgb(data).tobytes()
+        assert (got is given[-1]) == (mode != "L"), mode
+    count = len(given)
+    jpeg = io.BytesIO()
+    Image.fromarray(pixels_of(rng, (40, 30), "RGB", True)).save(jpeg, "JPEG")
+    images.decode_rgb(jpeg.getvalue(), "image/jpeg", allocate=allocate)
+    assert len(given) == count  # Pillow decoded it into its own
+    body = json.loads(request_body(pattern_png(96, 64), speed_bench_questions(1), "image/png"))
+    request = compile_request(body)
+    tokenizer = build_tokenizer()
+    prepared = prepare(request, tokenizer, pack=False, resize=False, allocate=allocate)
+    assert prepared.image.rgb is given[-1] and len(given) == count + 1
 
 
 @pytest.mark.filterwarnings("ignore:Palette images with Transparency")

@@ -244,13 +244,19 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
 
     # the plan made while the image decodes, as Executor.prepare makes it, where prepare can
     # (asked before the clock starts: not part of a request's time)
-    planner = {"planner": plan} if "planner" in inspect.signature(prepare).parameters else {}
+    accepted = inspect.signature(prepare).parameters
+    planner = {"planner": plan} if "planner" in accepted else {}
+    unpacked = dict(planner)
+    if device.type == "cuda" and "allocate" in accepted:  # a PNG decoded into pinned memory
+        from runtime.executor import pinned_uint8
+
+        unpacked["allocate"] = pinned_uint8
     started = TIMERS["total"]()
     request = compile_request(parse_body(body))
     if pack:
         prepared = prepare(request, tokenizer, **planner)
     else:
-        prepared = prepare(request, tokenizer, pack=False, resize=False, **planner)
+        prepared = prepare(request, tokenizer, pack=False, resize=False, **unpacked)
     work = prepared.planned if prepared.planned is not None else plan(prepared)
     upload(prepared, work, device)
     between = TIMERS["total"]()
