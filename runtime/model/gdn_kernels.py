@@ -27,7 +27,9 @@ ROWS_BLOCK_V = 16
 ROWS_WARPS = 1
 # the option-row kernel loads a token's inputs while the token before it computes: a program
 # is one warp walking its row's tokens one after another, so each step otherwise waited for its
-# loads before any arithmetic (same arithmetic, so the same bytes either way)
+# loads before any arithmetic. Same arithmetic, so the same bytes; on the H200 (4b shapes)
+# rows of 24 tokens 11-23 % faster (4 × 24: 0.026 → 0.020 ms), 8-token rows unchanged
+# (256 × 8: 0.264 → 0.268 ms; docs/measurements/h200-2026-12-03)
 ROWS_PREFETCH = True
 # fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
 # one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
