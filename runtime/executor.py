@@ -689,8 +689,8 @@ def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> to
     one."""
     if device.type != "cuda":
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype)
-    if array.flags.c_contiguous and array.flags.writeable:
-        given = torch.from_numpy(array)
+    if array.dtype == np.uint8 and array.flags.c_contiguous and array.flags.writeable:
+        given = torch.from_numpy(array)  # a decoded image may be pinned: no pass's integers are
         if given.is_pinned():
             return given.to(device, dtype, non_blocking=True)
     kind = torch.from_numpy(np.empty(0, array.dtype)).dtype

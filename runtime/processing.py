@@ -434,7 +434,10 @@ def prepare(
 
 
 def start_image(
-    request: Request, pack: bool = True, resize: bool = True, allocate=None
+    request: Request,
+    pack: bool = True,
+    resize: bool = True,
+    allocate: Callable[[tuple[int, ...]], np.ndarray] | None = None,
 ) -> Future | None:
     """`prepare_image` on an image thread, for a request with the contract's open image."""
     if request.opened is None:

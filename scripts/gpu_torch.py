@@ -93,6 +93,8 @@ READY_LIMIT_S = 400  # the server's start, load and warm-up on the bench workloa
 COLD_LOGS = {"TORCH_LOGS": "recompiles", "TRITON_PRINT_AUTOTUNING": "1"}
 COLD_LOG_CHARS = 4_000_000
 CROSSOVER = [(16, 16), (8, 32), (64, 8), (32, 16), (16, 24), (1, 64), (1, 128), (1, 640)]
+# (rows, tokens, source states) of the option-row kernel's timings: the option passes' shapes
+OPTION_ROW_SHAPES = ((256, 8, 1), (32, 8, 11), (4, 24, 1), (64, 8, 16), (32, 16, 16), (16, 24, 16))
 
 
 @dataclass(frozen=True)
@@ -144,38 +146,39 @@ def apply_flags() -> None:
         layers.FLOORS_IN_OP = False
 
 
-def build() -> dict:
-    """The 4b synthetic export, written on this machine (the release beside it is dropped)."""
+def build(preset: str = PRESET) -> dict:
+    """The preset's synthetic export (the 4b unless `--tiny`), written on this machine (the
+    release beside it is dropped)."""
     from build_engines.checkpoints import make_checkpoint, release_path
 
-    export = WORK / f"{PRESET}-export"
+    export = WORK / f"{preset}-export"
     if export.exists():
         return {"checkpoint_s": 0.0}
     started = time.perf_counter()
-    make_checkpoint(PRESET, 0, export)
+    make_checkpoint(preset, 0, export)
     shutil.rmtree(release_path(export), ignore_errors=True)
     seconds = time.perf_counter() - started
-    log(f"{PRESET} export in {seconds:.1f} s")
+    log(f"{preset} export in {seconds:.1f} s")
     return {"checkpoint_s": seconds}
 
 
-def engine_dir(run: Run) -> Path:
+def engine_dir(run: Run, preset: str = PRESET) -> Path:
     """An engine directory naming the dtype (the torch backend needs no ONNX files)."""
     from build_engines.engines import FORMAT, MANIFEST, checkpoint_record, write_manifest
 
-    folder = WORK / f"engines-{PRESET}-{run.name}"
+    folder = WORK / f"engines-{preset}-{run.name}"
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / MANIFEST).exists():  # what a torch-only `omnijev engines` records
         record = {
             "format": FORMAT,
             "dtype": run.dtype,
-            "checkpoint": checkpoint_record(WORK / f"{PRESET}-export"),
+            "checkpoint": checkpoint_record(WORK / f"{preset}-export"),
         }
         write_manifest(folder, record)
     return folder
 
 
-def executor_for(run: Run, engines: Path | None = None):
+def executor_for(run: Run, engines: Path | None = None, preset: str = PRESET):
     from runtime.backends import compiled
     from runtime.config import RuntimeConfig
     from runtime.executor import Executor
@@ -184,8 +187,8 @@ def executor_for(run: Run, engines: Path | None = None):
     config = RuntimeConfig(
         backend="torch", prefix_cache=0, question_batch=QUESTION_ROWS, cuda_graphs=run.graphs
     )
-    engines = engines or engine_dir(run)
-    executor = Executor(WORK / f"{PRESET}-export", engines, config)
+    engines = engines or engine_dir(run, preset)
+    executor = Executor(WORK / f"{preset}-export", engines, config)
     if not run.compile:  # the same modules, eager between the graph captures
         backend = executor.backend
         backend.compiled = False
@@ -266,6 +269,33 @@ def fla_recurrent_output(q, k, v, g, beta, state, scale):
     return out
 
 
+def option_rows_inputs(b: int, t: int, sources: int, padded: bool) -> tuple:
+    """`option_rows`' arguments on the 4b's Gated DeltaNet shapes (16 key heads, 32 value heads,
+    128 × 128 states), `b` rows of `t` tokens from `sources` states, sorted as plans give them;
+    `padded`: random lengths (the first row full), padding with g = β = 0 as option passes have,
+    else every token valid."""
+    import torch
+
+    heads, value_heads, dim = 16, 32, 128
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def random(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator)
+
+    q, k = random(b, t, heads, dim).bfloat16(), random(b, t, heads, dim).bfloat16()
+    v = random(b, t, value_heads, dim).bfloat16()
+    lengths = torch.full((b,), t, device="cuda")
+    if padded:
+        lengths = torch.randint(1, t + 1, (b,), device="cuda", generator=generator)
+        lengths[0] = t
+    valid = (torch.arange(t, device="cuda")[None, :] < lengths[:, None])[..., None]
+    g = torch.where(valid, -torch.rand(b, t, value_heads, device="cuda"), 0.0)
+    beta = torch.where(valid, torch.rand(b, t, value_heads, device="cuda"), 0.0)
+    states = random(sources, value_heads, dim, dim) * 0.05
+    src = torch.randint(0, sources, (b,), device="cuda", generator=generator).sort().values
+    return q, k, v, g, beta, states, src, lengths, dim**-0.5
+
+
 def option_rows_kernel() -> list[dict]:
     """Our option-row kernel (runtime.model.gdn_kernels: each row reads its source's state in
     place, no final state) at each tile of TILES against fla's fused recurrent kernel on per-row
@@ -276,32 +306,20 @@ def option_rows_kernel() -> list[dict]:
     from runtime.model import gdn_kernels
 
     rows = []
-    heads, value_heads, dim = 16, 32, 128
-    shapes = ((256, 8, 1), (32, 8, 11), (4, 24, 1), (64, 8, 16), (32, 16, 16), (16, 24, 16))
-    for b, t, sources in shapes:
-        q = torch.randn(b, t, heads, dim, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn(b, t, value_heads, dim, device="cuda").bfloat16()
-        g = -torch.rand(b, t, value_heads, device="cuda")
-        beta = torch.rand(b, t, value_heads, device="cuda")
-        states = torch.randn(sources, value_heads, dim, dim, device="cuda") * 0.05
-        src = torch.randint(0, sources, (b,), device="cuda").sort().values  # as plans give
-        scale = dim**-0.5
-        lengths = torch.full((b,), t, device="cuda")  # every token valid, as fla walks them
-        args = (q, k, v, g, beta, states, src, lengths, scale)
+    for b, t, sources in OPTION_ROW_SHAPES:
+        args = option_rows_inputs(b, t, sources, padded=False)  # every token valid, as fla walks
+        q, k, v, g, beta, states, src, _, scale = args
 
         ours = partial(gdn_kernels.option_rows_gated_delta, *args)
         fla_gathered = partial(
             fla_recurrent_output, q, k, v, g, beta, states[src].contiguous(), scale
         )
         fixed = ours()
-        unfetched = partial(gdn_kernels.option_rows, *args, prefetch=False)
         row = {
             "rows": b,
             "tokens": t,
             "sources": sources,
             "ours_ms": graph_ms(ours),
-            "no_prefetch_ms": graph_ms(unfetched),
-            "prefetch_same_bytes": torch.equal(unfetched(), fixed),
             "fla_gathered_ms": graph_ms(fla_gathered),
             "max_difference": (fixed.float() - fla_gathered().float()).abs().max().item(),
             "repeatable": torch.equal(fixed, ours()),
@@ -329,28 +347,14 @@ def prefetch_probe() -> list[dict]:
     from runtime.model import gdn_kernels
 
     rows = []
-    heads, value_heads, dim = 16, 32, 128
-    shapes = ((256, 8, 1), (32, 8, 11), (4, 24, 1), (64, 8, 16), (32, 16, 16), (16, 24, 16))
-    generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def random(*shape):
-        return torch.randn(*shape, device="cuda", generator=generator)
-
-    for b, t, sources in shapes:
-        q, k = random(b, t, heads, dim).bfloat16(), random(b, t, heads, dim).bfloat16()
-        v = random(b, t, value_heads, dim).bfloat16()
-        lengths = torch.randint(1, t + 1, (b,), device="cuda", generator=generator)
-        lengths[0] = t
+    for b, t, sources in OPTION_ROW_SHAPES:
+        args = option_rows_inputs(b, t, sources, padded=True)
+        q, k, v, g, beta, states, src, lengths, scale = args
         valid = torch.arange(t, device="cuda")[None, :] < lengths[:, None]
-        g = torch.where(valid[..., None], -torch.rand(b, t, value_heads, device="cuda"), 0.0)
-        beta = torch.where(valid[..., None], torch.rand(b, t, value_heads, device="cuda"), 0.0)
-        states = random(sources, value_heads, dim, dim) * 0.05
-        src = torch.randint(0, sources, (b,), device="cuda", generator=generator).sort().values
-        args = (q, k, v, g, beta, states, src, lengths, dim**-0.5)
         ahead = partial(gdn_kernels.option_rows, *args, prefetch=True)
         plain = partial(gdn_kernels.option_rows, *args, prefetch=False)
         out = ahead()
-        fla = fla_recurrent_output(q, k, v, g, beta, states[src].contiguous(), dim**-0.5)
+        fla = fla_recurrent_output(q, k, v, g, beta, states[src].contiguous(), scale)
         row = {
             "rows": b,
             "tokens": t,
@@ -376,27 +380,13 @@ def image_graph_probe() -> dict:
     import numpy as np
     import torch
 
-    from build_engines.checkpoints import make_checkpoint, release_path
-    from build_engines.engines import FORMAT, checkpoint_record, write_manifest
     from reference.questions import pattern_png, request_body, speed_bench_questions
-    from runtime.backends import compiled
-    from runtime.config import RuntimeConfig
     from runtime.contract import compile_request
-    from runtime.executor import Executor
     from runtime.processing import prepare
 
-    export = WORK / "tiny-probe-export"
-    if not export.exists():
-        make_checkpoint("tiny", 0, export)
-        shutil.rmtree(release_path(export), ignore_errors=True)
-    engines = WORK / "engines-tiny-probe"
-    engines.mkdir(parents=True, exist_ok=True)
-    record = {"format": FORMAT, "dtype": "bfloat16", "checkpoint": checkpoint_record(export)}
-    write_manifest(engines, record)
-    executor = Executor(export, engines, RuntimeConfig(backend="torch", prefix_cache=0))
+    build("tiny")
+    executor = executor_for(Run("probe", dtype="bfloat16", compile=False), preset="tiny")
     backend = executor.backend
-    backend.compiled = False
-    backend.functions = compiled.TorchBackend.make_functions(backend)
     body = json.loads(request_body(pattern_png(1600, 900), speed_bench_questions(12)))
     whole = executor.prepare(body)
     host = prepare(compile_request(body), executor.tokenizer)

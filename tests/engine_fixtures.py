@@ -14,12 +14,8 @@ from pathlib import Path
 
 from tests.checkpoint_fixtures import tiny_export
 
-_EXPORTED: dict[tuple, Path] = {}  # (export dir, dtype, gdn, readout, graphs) -> variant folder
+_EXPORTED: dict[tuple, Path] = {}  # (export dir, dtype, gdn, readout) -> its variant's folder
 _BUILT: dict[tuple[Path, str], Path] = {}
-
-
-def export_key(export: Path, dtype: str, gdn: str, readout: str, graphs: tuple) -> tuple:
-    return (Path(export).resolve(), dtype, gdn, readout, tuple(graphs))
 
 
 def exported(
@@ -30,7 +26,7 @@ def exported(
     from build_engines import onnx_export
 
     export_onnx = export_onnx or onnx_export.export_onnx
-    key = export_key(export, dtype, gdn, readout, onnx_export.GRAPHS)
+    key = (Path(export).resolve(), dtype, gdn, readout)
     if key not in _EXPORTED:
         folder = tmp_path_factory.mktemp(f"onnx-{gdn}-{readout}") / "variant"
         export_onnx(export, folder, dtype=dtype, gdn=gdn, readout=readout)

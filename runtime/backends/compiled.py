@@ -67,6 +67,7 @@ VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tab
 # patches op by op before the tower's graph replayed (h200-2026-12-02, `vision_enqueue`)
 IMAGE_INPUTS = ("rgb", *VISION_INPUTS[1:])
 LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH)
+VISION_GRAPHS = ("vision", IMAGE_GRAPH)  # the tower from packed pixels, or from the image
 VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
 # read by the readout, which runs after the captured body: a pass's graph is keyed by the body's
 # shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
@@ -270,10 +271,9 @@ class TorchBackend:
                 size=IMAGE_SLOTS if graph == IMAGE_GRAPH else GRAPH_SLOTS,
                 capture=graphs,
             )
-            for graph in ("vision", IMAGE_GRAPH, *LM_GRAPHS)
+            for graph in (*VISION_GRAPHS, *LM_GRAPHS)
         }
-        graphs_here = ("vision", IMAGE_GRAPH, *LM_GRAPHS)
-        self._dtypes = {graph: self.graph_dtypes(graph) for graph in graphs_here}
+        self._dtypes = {graph: self.graph_dtypes(graph) for graph in self.slots}
         self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)  # the patches' lookup
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
 
@@ -404,7 +404,7 @@ class TorchBackend:
         return self._dtypes[graph]
 
     def output_names(self, graph: str) -> list[str]:
-        if graph in ("vision", IMAGE_GRAPH):
+        if graph in VISION_GRAPHS:
             return ["image_features"]
         if graph == JOINT_GRAPH:
             parts = (p + name for p in JOINT_PREFIXES for name in READOUT_OUTPUTS)
@@ -415,7 +415,7 @@ class TorchBackend:
         self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> None:
         feeds = self.checked(graph, feeds)
-        if graph in ("vision", IMAGE_GRAPH):
+        if graph in VISION_GRAPHS:
             if self.device.type != "cuda":
                 outputs["image_features"].copy_(self.compute(graph, feeds)["image_features"])
             else:
