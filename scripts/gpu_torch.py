@@ -402,7 +402,7 @@ def image_graph_probe() -> dict:
             np.array_equal(x.zq, y.zq) and np.array_equal(x.u, y.u) for x, y in pairs
         )
 
-        def timed(graph: str) -> float:
+        def timed(graph: str) -> dict:
             executor.vision_graph = lambda image: graph
             executor.vision(whole)
             torch.cuda.synchronize()
@@ -411,8 +411,8 @@ def image_graph_probe() -> dict:
                 started = time.perf_counter()
                 executor.vision(whole)
                 torch.cuda.synchronize()
-                times.append((time.perf_counter() - started) * 1e3)
-            return round(statistics.median(times), 3)
+                times.append(round((time.perf_counter() - started) * 1e3, 3))
+            return {"median_ms": round(statistics.median(times), 3), "runs_ms": times}
 
         found["vision_ms"] = {"image graph": timed("image"), "op by op": timed("vision")}
     found["stats"] = backend.stats()
