@@ -92,7 +92,7 @@ READY_LIMIT_S = 400  # the server's start, load and warm-up on the bench workloa
 # guards, each Triton autotuning with its seconds
 COLD_LOGS = {"TORCH_LOGS": "recompiles", "TRITON_PRINT_AUTOTUNING": "1"}
 COLD_LOG_CHARS = 4_000_000
-CROSSOVER = [(16, 16), (8, 32), (64, 8), (32, 16), (16, 24), (1, 64), (1, 128), (1, 640)]
+CROSSOVER = [(1, 16), (2, 16), (16, 16), (1, 32), (8, 32), (1, 64), (1, 128), (1, 640)]
 # (rows, tokens, source states) of the option-row kernel's timings: the option passes' shapes
 OPTION_ROW_SHAPES = ((256, 8, 1), (32, 8, 11), (4, 24, 1), (64, 8, 16), (32, 16, 16), (16, 24, 16))
 
@@ -220,43 +220,48 @@ def graph_ms(call, replays: int = 50) -> float:
 
 
 def crossover() -> dict:
-    """fla's fused recurrent against its chunked kernel on the 4b Gated DeltaNet shapes (BF16,
-    CUDA-graph replays), and the longest pass the recurrent one should take: runtime.model.gdn's
-    FLA_RECURRENT_MAX_TOKENS is set to it for this run."""
+    """fla's fused recurrent and chunked kernels against our rows kernel keeping the final state
+    (runtime.model.gdn_kernels.rows_gated_delta's two sides) on the 4b Gated DeltaNet shapes
+    (BF16, every token valid, CUDA-graph replays, ms), with the largest differences of our
+    outputs and final states to the chunked kernel's; the longest pass ours is the fastest for
+    (ROWS_MAX_TOKENS is set by hand from it)."""
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     from runtime.model import gdn_kernels
 
     rows = []
-    heads, value_heads, dim = 16, 32, 128
     for b, t in CROSSOVER:
-        q = torch.randn(b, t, heads, dim, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn(b, t, value_heads, dim, device="cuda").bfloat16()
-        g = -torch.rand(b, t, value_heads, device="cuda")
-        beta = torch.rand(b, t, value_heads, device="cuda")
-        state = torch.randn(b, value_heads, dim, dim, device="cuda")
+        args = option_rows_inputs(b, t, 1, padded=False)
+        q, k, v, g, beta, states, src, lengths, scale = args
+        initial = states[src].contiguous()
         row = {"rows": b, "tokens": t}
+        results = {}
         for name, kernel in (
             ("recurrent", fused_recurrent_gated_delta_rule),
             ("chunk", chunk_gated_delta_rule),
         ):
-            args = (q, k, v)
-            options = dict(g=g, beta=beta, scale=dim**-0.5, initial_state=state)
+            options = dict(g=g, beta=beta, scale=scale, initial_state=initial)
             call = partial(
-                kernel, *args, **options, output_final_state=True, use_qk_l2norm_in_kernel=True
+                kernel, q, k, v, **options, output_final_state=True, use_qk_l2norm_in_kernel=True
             )
+            results[name] = call()
             row[f"{name}_ms"] = graph_ms(call)
+        ours = partial(gdn_kernels.option_rows, *args, state=True)
+        out, final = ours()
+        row["ours_ms"] = graph_ms(ours)
+        row["ours_out_difference"] = (out.float() - results["chunk"][0].float()).abs().max().item()
+        row["ours_state_difference"] = (final - results["chunk"][1].float()).abs().max().item()
+        row["ours_repeatable"] = all(torch.equal(a, b) for a, b in zip((out, final), ours()))
         rows.append(row)
         log(f"crossover {row}")
     longest = 0
     for t in sorted({r["tokens"] for r in rows}):
-        if all(r["recurrent_ms"] <= r["chunk_ms"] for r in rows if r["tokens"] == t):
+        if all(r["ours_ms"] <= min(r["chunk_ms"], r["recurrent_ms"]) for r in rows if r["tokens"] == t):
             longest = t
         else:
             break
-    gdn_kernels.FLA_RECURRENT_MAX_TOKENS = longest
-    return {"rows": rows, "recurrent_max_tokens": longest}
+    return {"rows": rows, "ours_fastest_up_to_tokens": longest}
 
 
 def fla_recurrent_output(q, k, v, g, beta, state, scale):

@@ -110,7 +110,7 @@ def test_the_custom_ops_a_saved_block_calls_are_registered_without_tracing():
     code = (
         "import torch, runtime.backends.aot; "
         "print(all(hasattr(torch.ops.omnijev, op) for op in "
-        "('fla_gated_delta', 'option_rows_gated_delta', 'floored_linear')))"
+        "('fla_gated_delta', 'option_rows_gated_delta', 'rows_gated_delta', 'floored_linear')))"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(

@@ -1,4 +1,4 @@
-"""The torch backend's own Gated DeltaNet kernel for option rows (runtime.model.gdn_kernels)
+"""The torch backend's own Gated DeltaNet kernel for short rows (runtime.model.gdn_kernels)
 against the eager chunked core on per-row gathered states; run by Triton's interpreter on the
 CPU where Triton is installed (the GPU machine; scripts/gpu_torch.py checks it there against
 fla-core on the 4b shapes), skipped elsewhere. And the executor's upload and stage clock."""
@@ -19,38 +19,48 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # run in a fresh interpreter: Triton reads TRITON_INTERPRET when a kernel is decorated
 KERNEL_CHECK = textwrap.dedent(
-    """
+    '''
     import torch
     from runtime.model import gdn_kernels
     from runtime.model.gdn import gated_delta_eager, l2norm
 
     torch.manual_seed(0)
     b, t, heads, value_heads, dk, dv, sources = 5, 6, 2, 4, 32, 64, 3
-    q, k = torch.randn(b, t, heads, dk), torch.randn(b, t, heads, dk)
-    v = torch.randn(b, t, value_heads, dv)
-    lengths = torch.tensor([6, 3, 1, 6, 2])
+    mixed = torch.randn(b, t, 2 * heads * dk + value_heads * dv)
+    q, k, v = mixed.split([heads * dk, heads * dk, value_heads * dv], dim=-1)
+    q, k = q.reshape(b, t, heads, dk), k.reshape(b, t, heads, dk)
+    v = v.reshape(b, t, value_heads, dv)
+    lengths = torch.tensor([6, 3, 1, 6, 0])
     valid = (torch.arange(t)[None] < lengths[:, None])[..., None]
     g = torch.where(valid, -torch.rand(b, t, value_heads), 0.0)
     beta = torch.where(valid, torch.rand(b, t, value_heads), 0.0)
     states = torch.randn(sources, value_heads, dk, dv) * 0.1
     src = torch.tensor([2, 0, 1, 2, 0])
     out = gdn_kernels.option_rows_gated_delta(q, k, v, g, beta, states, src, lengths, dk**-0.5)
+    carried, final = gdn_kernels.rows_gated_delta(q, k, v, g, beta, states, src, lengths, dk**-0.5)
     padding = ~valid[..., 0]
     assert (out[padding] == 0).all()  # padded tokens' outputs are zeros, never read
+    assert torch.equal(out, carried)  # the state kept or not, the same outputs
+    same = gdn_kernels.option_rows_gated_delta(
+        q.contiguous(), k.contiguous(), v.contiguous(), g, beta, states, src, lengths, dk**-0.5)
+    assert torch.equal(out, same)  # views of the conv's output read in place
 
     def per_value_head(x):
         return x.repeat_interleave(value_heads // heads, dim=2)
 
-    expected, _ = gated_delta_eager(
+    expected, state = gated_delta_eager(
         l2norm(per_value_head(q)) * dk**-0.5, l2norm(per_value_head(k)), v, g, beta, states[src]
     )
     mask = valid[..., 0]
     print(float((out - expected)[mask].abs().max()))
-    """
+    print(float((final - state).abs().max()))
+    '''
 )
 
 
-def test_option_rows_kernel_matches_the_eager_core():
+def test_rows_kernel_matches_the_eager_core():
+    """Outputs and final states against the eager core on gathered states, rows read as views
+    of one conv output with 0 to 6 valid tokens, outputs alike with or without the state."""
     pytest.importorskip("triton")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
@@ -58,7 +68,8 @@ def test_option_rows_kernel_matches_the_eager_core():
         [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    outputs, states = (float(x) for x in done.stdout.strip().splitlines()[-2:])
+    assert outputs < 1e-5 and states < 1e-5
 
 
 def test_option_rows_kernel_is_a_custom_op_with_a_fake():
@@ -74,6 +85,9 @@ def test_option_rows_kernel_is_a_custom_op_with_a_fake():
     out, final = gdn_kernels.fla_gated_delta(
         q, q, v, gates, gates, states[:1].expand(3, -1, -1, -1), 0.5
     )
+    assert out.shape == v.shape and final.shape == (3, 4, 32, 64)
+    assert final.dtype == torch.float32
+    out, final = gdn_kernels.rows_gated_delta(q, q, v, gates, gates, states, src, src, 0.5)
     assert out.shape == v.shape and final.shape == (3, 4, 32, 64)
     assert final.dtype == torch.float32
 

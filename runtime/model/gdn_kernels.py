@@ -31,12 +31,14 @@ ROWS_WARPS = 1
 # rows of 24 tokens 11-23 % faster (4 × 24: 0.026 → 0.020 ms), 8-token rows unchanged
 # (256 × 8: 0.264 → 0.268 ms; docs/measurements/h200-2026-12-03)
 ROWS_PREFETCH = True
-# fla: passes of at most this many tokens run the fused recurrent kernel, longer ones the chunked
-# one. Measured as CUDA-graph replays on the H200 (4b shapes, BF16; scripts/gpu_torch.py
-# crossover, docs/measurements/h200-2026-12-01): recurrent faster only for 64 rows × 8 tokens
-# (0.20 against 0.27 ms); chunked faster from 16 tokens up (16 × 16: 0.08 against 0.10 ms,
-# 1 × 640: 0.08 against 0.70 ms)
-FLA_RECURRENT_MAX_TOKENS = 8
+# passes of at most this many tokens that carry their state on (question rows, short prefixes)
+# run our recurrent kernel (`rows_gated_delta`), reading their sources' states in place and
+# writing the final state; longer ones run fla's chunked kernel. fla's chunked form took 7
+# kernels a layer and 8 input copies around them for a one-question pass of 16 tokens on the
+# H200 (1,435 kernels and 3.3 ms of gaps in the pass, docs/measurements/h200-2026-12-03b);
+# fla's own fused recurrent kernel was slower than its chunked one from 16 tokens up (16 × 16:
+# 0.10 against 0.08 ms, h200-2026-12-01), ours faster than fla's recurrent on every option shape
+ROWS_MAX_TOKENS = 32
 
 
 @torch.library.custom_op("omnijev::fla_gated_delta", mutates_args=())
@@ -55,8 +57,8 @@ def fla_gated_delta(
     throughout (the chunked one's Triton dots would round float32 operands to TF32)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    short = q.shape[1] <= FLA_RECURRENT_MAX_TOKENS or q.dtype == torch.float32
-    kernel = fused_recurrent_gated_delta_rule if short else chunk_gated_delta_rule
+    exact = q.dtype == torch.float32
+    kernel = fused_recurrent_gated_delta_rule if exact else chunk_gated_delta_rule
     out, final = kernel(
         q.contiguous(),
         k.contiguous(),
@@ -82,7 +84,7 @@ def _(q, k, v, g, beta, state, scale):
 if triton is not None:
 
     @triton.jit
-    def _option_rows_kernel(
+    def _rows_kernel(
         q,
         k,
         v,
@@ -92,8 +94,11 @@ if triton is not None:
         src,
         lengths,
         out,
+        final,
         scale,
         T,
+        stride_q,
+        stride_v,
         H: tl.constexpr,
         HV: tl.constexpr,
         K: tl.constexpr,
@@ -101,10 +106,13 @@ if triton is not None:
         BV: tl.constexpr,
         EPS: tl.constexpr,
         PREFETCH: tl.constexpr,
+        STATE: tl.constexpr,
     ):
         """One program: one row, one value head, BV value columns, the row's valid tokens in
-        order, zeros for its padding (whose outputs no valid token reads). With PREFETCH the
-        next token's inputs are loaded before this token's arithmetic, which is unchanged."""
+        order, zeros for its padding (whose outputs no valid token reads). q and k step
+        `stride_q` elements a token, v `stride_v` (views of the conv's output are read in
+        place). With PREFETCH the next token's inputs are loaded before this token's
+        arithmetic, which is unchanged; with STATE the tile's final state is written."""
         i_v = tl.program_id(0)
         i_nh = tl.program_id(1).to(tl.int64)
         i_n = i_nh // HV
@@ -120,9 +128,9 @@ if triton is not None:
         last = token + T - 1  # the row's last slot: a load ahead never leaves the row
         # the first token's inputs (a row with none reads a padding slot, unused); each step
         # then loads the next token's while the current one's arithmetic runs
-        n_q = tl.load(q + (token * H + i_h) * K + o_k)
-        n_k = tl.load(k + (token * H + i_h) * K + o_k)
-        n_v = tl.load(v + (token * HV + i_hv) * V + o_v)
+        n_q = tl.load(q + token * stride_q + i_h * K + o_k)
+        n_k = tl.load(k + token * stride_q + i_h * K + o_k)
+        n_v = tl.load(v + token * stride_v + i_hv * V + o_v)
         n_g = tl.load(g + token * HV + i_hv)
         n_beta = tl.load(beta + token * HV + i_hv)
         t = 0
@@ -131,15 +139,15 @@ if triton is not None:
                 b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
                 b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
                 after = tl.minimum(token + 1, last)
-                n_q = tl.load(q + (after * H + i_h) * K + o_k)
-                n_k = tl.load(k + (after * H + i_h) * K + o_k)
-                n_v = tl.load(v + (after * HV + i_hv) * V + o_v)
+                n_q = tl.load(q + after * stride_q + i_h * K + o_k)
+                n_k = tl.load(k + after * stride_q + i_h * K + o_k)
+                n_v = tl.load(v + after * stride_v + i_hv * V + o_v)
                 n_g = tl.load(g + after * HV + i_hv)
                 n_beta = tl.load(beta + after * HV + i_hv)
             else:
-                b_q = tl.load(q + (token * H + i_h) * K + o_k).to(tl.float32)
-                b_k = tl.load(k + (token * H + i_h) * K + o_k).to(tl.float32)
-                b_v = tl.load(v + (token * HV + i_hv) * V + o_v).to(tl.float32)
+                b_q = tl.load(q + token * stride_q + i_h * K + o_k).to(tl.float32)
+                b_k = tl.load(k + token * stride_q + i_h * K + o_k).to(tl.float32)
+                b_v = tl.load(v + token * stride_v + i_hv * V + o_v).to(tl.float32)
                 b_g = tl.load(g + token * HV + i_hv).to(tl.float32)
                 b_beta = tl.load(beta + token * HV + i_hv).to(tl.float32)
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
@@ -155,6 +163,9 @@ if triton is not None:
             tl.store(out + (token * HV + i_hv) * V + o_v, tl.zeros([BV], out.dtype.element_ty))
             token += 1
             t += 1
+        if STATE:
+            kept = final + (i_n * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(kept, h)
 
 
 @torch.library.custom_op("omnijev::option_rows_gated_delta", mutates_args=())
@@ -171,10 +182,56 @@ def option_rows_gated_delta(
 ) -> torch.Tensor:
     """Option rows as leaves: row n continues `states[src[n]]` (float32 [S, HV, dk, dv], read
     in place, never gathered per row) and returns only its outputs [B, T, HV, dv] in v's dtype.
-    Shapes as `fla_gated_delta`; the kernel walks each row's first `lengths[n]` tokens and
-    writes zeros after them: a padded token (g = β = 0) leaves the state as it is and no valid
-    token reads its output (h200-2026-12-02h: 1,675 of the 255-option pass's 2,048 tokens)."""
+    q, k [B, T, H, dk] and v [B, T, HV, dv] may be views whose tokens are evenly strided (the
+    conv's output split); g, beta float32 [B, T, HV]. The kernel walks each row's first
+    `lengths[n]` tokens and writes zeros after them: a padded token (g = β = 0) leaves the
+    state as it is and no valid token reads its output (h200-2026-12-02h: 1,675 of the
+    255-option pass's 2,048 tokens)."""
     return option_rows(q, k, v, g, beta, states, src, lengths, scale)
+
+
+@option_rows_gated_delta.register_fake
+def _(q, k, v, g, beta, states, src, lengths, scale):
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("omnijev::rows_gated_delta", mutates_args=())
+def rows_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    src: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that carry their state on: row n continues `states[src[n]]` and returns its
+    outputs and its final state [B, HV, dk, dv] (float32). Passes of at most ROWS_MAX_TOKENS
+    tokens run our kernel (the sources' states read in place); longer ones (image prefixes)
+    fla's on the gathered states (`fla_gated_delta`). Shapes as `option_rows_gated_delta`; the
+    choice is made here, out of the compiler's sight, so that it adds no guard on the length."""
+    if q.shape[1] <= ROWS_MAX_TOKENS:
+        return option_rows(q, k, v, g, beta, states, src, lengths, scale, state=True)
+    return fla_gated_delta(q, k, v, g, beta, states[src], scale)
+
+
+@rows_gated_delta.register_fake
+def _(q, k, v, g, beta, states, src, lengths, scale):
+    b, _, heads, dv = v.shape
+    final = states.new_empty(b, heads, q.shape[3], dv, dtype=torch.float32)
+    return v.new_empty(v.shape), final
+
+
+def token_stride(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, dim] as the kernel reads it: itself where its heads are packed and
+    every token starts a fixed number of elements after the one before (a view of the conv's
+    output), else a contiguous copy."""
+    b, t, _, dim = x.shape
+    packed = x.stride(3) == 1 and x.stride(2) == dim
+    even = b == 1 or x.stride(0) == t * x.stride(1)
+    return x if packed and even else x.contiguous()
 
 
 def option_rows(
@@ -190,30 +247,39 @@ def option_rows(
     block_v=ROWS_BLOCK_V,
     warps=ROWS_WARPS,
     prefetch=ROWS_PREFETCH,
+    state=False,
 ):
-    """The option-row kernel at a given tile (value columns per program, warps) and with or
-    without its loads a token ahead: the custom op runs the fixed ROWS_BLOCK_V × ROWS_WARPS
-    with ROWS_PREFETCH; scripts/gpu_torch.py times the others."""
+    """The rows kernel at a given tile (value columns per program, warps), with or without its
+    loads a token ahead, and with (`state`: returns (out, final)) or without the final state:
+    the custom ops run the fixed ROWS_BLOCK_V × ROWS_WARPS with ROWS_PREFETCH;
+    scripts/gpu_torch.py times the others."""
     if triton is None:
-        raise RuntimeError("the option rows kernel needs triton")
+        raise RuntimeError("the rows kernel needs triton")
     b, t, heads, dk = q.shape
     value_heads, dv = v.shape[2], v.shape[3]
     if dv % block_v or dk & (dk - 1) or value_heads % heads:
-        raise ValueError(f"option rows kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}")
-    out = v.new_empty(v.shape)
+        raise ValueError(f"rows kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}")
+    q, k, v = token_stride(q), token_stride(k), token_stride(v)
+    if q.stride(1) != k.stride(1):
+        q, k = q.contiguous(), k.contiguous()
+    out = v.new_empty(b, t, value_heads, dv)
+    final = states.new_empty(b, value_heads, dk, dv, dtype=torch.float32) if state else out
     grid = (dv // block_v, b * value_heads)
-    _option_rows_kernel[grid](
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+    _rows_kernel[grid](
+        q,
+        k,
+        v,
         g.contiguous(),
         beta.contiguous(),
         states.contiguous(),
         src.contiguous(),
         lengths.contiguous(),
         out,
+        final,
         scale,
         t,
+        q.stride(1),
+        v.stride(1),
         H=heads,
         HV=value_heads,
         K=dk,
@@ -221,11 +287,7 @@ def option_rows(
         BV=block_v,
         EPS=L2_EPS,
         PREFETCH=prefetch,
+        STATE=state,
         num_warps=warps,
     )
-    return out
-
-
-@option_rows_gated_delta.register_fake
-def _(q, k, v, g, beta, states, src, lengths, scale):
-    return v.new_empty(v.shape)
+    return (out, final) if state else out

@@ -300,22 +300,24 @@ class GatedDeltaNet(nn.Module):
         if self.core == "fla" and not torch.onnx.is_in_onnx_export():
             from runtime.model import gdn_kernels
 
-            # the kernels normalise q and k and map value head j to key head j // (HV/H)
-            # contiguous before the custom ops: Inductor asserts an op's input strides, and the
-            # conv's transposed output may be laid out otherwise than when it was traced
-            q = q.reshape(b, t, self.k_heads, self.dk).contiguous()
-            k = k.reshape(b, t, self.k_heads, self.dk).contiguous()
-            v = v.reshape(b, t, self.v_heads, self.dv).contiguous()
+            # the kernels normalise q and k and map value head j to key head j // (HV/H); they
+            # read q, k and v as views of the conv's output (no copies) and each row's source
+            # state in place by `src`
+            q = q.reshape(b, t, self.k_heads, self.dk)
+            k = k.reshape(b, t, self.k_heads, self.dk)
+            v = v.reshape(b, t, self.v_heads, self.dv)
             g, beta = g.contiguous(), beta.contiguous()
-            if src is not None and not want_state:
+            if src is None:
+                src = torch.arange(b, device=raw.device)
+            states = rec_past.float().contiguous()
+            if not want_state:
                 out = gdn_kernels.option_rows_gated_delta(
-                    q, k, v, g, beta, rec_past.float().contiguous(), src, lengths, self.dk**-0.5
+                    q, k, v, g, beta, states, src, lengths, self.dk**-0.5
                 )
                 rec_state = None
             else:
-                past = rec_past if src is None else per_row(rec_past, src, b)
-                out, rec_state = gdn_kernels.fla_gated_delta(
-                    q, k, v, g, beta, past.float().contiguous(), self.dk**-0.5
+                out, rec_state = gdn_kernels.rows_gated_delta(
+                    q, k, v, g, beta, states, src, lengths, self.dk**-0.5
                 )
         else:
             if src is not None:
