@@ -252,12 +252,14 @@ def crossover() -> dict:
         row["ours_ms"] = graph_ms(ours)
         row["ours_out_difference"] = (out.float() - results["chunk"][0].float()).abs().max().item()
         row["ours_state_difference"] = (final - results["chunk"][1].float()).abs().max().item()
-        row["ours_repeatable"] = all(torch.equal(a, b) for a, b in zip((out, final), ours()))
+        again = ours()
+        row["ours_repeatable"] = torch.equal(out, again[0]) and torch.equal(final, again[1])
         rows.append(row)
         log(f"crossover {row}")
     longest = 0
     for t in sorted({r["tokens"] for r in rows}):
-        if all(r["ours_ms"] <= min(r["chunk_ms"], r["recurrent_ms"]) for r in rows if r["tokens"] == t):
+        same = [r for r in rows if r["tokens"] == t]
+        if all(r["ours_ms"] <= min(r["chunk_ms"], r["recurrent_ms"]) for r in same):
             longest = t
         else:
             break

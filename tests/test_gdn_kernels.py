@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # run in a fresh interpreter: Triton reads TRITON_INTERPRET when a kernel is decorated
 KERNEL_CHECK = textwrap.dedent(
-    '''
+    """
     import torch
     from runtime.model import gdn_kernels
     from runtime.model.gdn import gated_delta_eager, l2norm
@@ -54,7 +54,7 @@ KERNEL_CHECK = textwrap.dedent(
     mask = valid[..., 0]
     print(float((out - expected)[mask].abs().max()))
     print(float((final - state).abs().max()))
-    '''
+    """
 )
 
 
