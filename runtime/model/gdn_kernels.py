@@ -214,7 +214,9 @@ def rows_gated_delta(
     choice is made here, out of the compiler's sight, so that it adds no guard on the length."""
     if q.shape[1] <= ROWS_MAX_TOKENS:
         return option_rows(q, k, v, g, beta, states, src, lengths, scale, state=True)
-    return fla_gated_delta(q, k, v, g, beta, states[src], scale)
+    # one source (an image prefix's empty state): a view, where a gather was a kernel a layer
+    per_row = states.expand(q.shape[0], -1, -1, -1) if states.shape[0] == 1 else states[src]
+    return fla_gated_delta(q, k, v, g, beta, per_row, scale)
 
 
 @rows_gated_delta.register_fake

@@ -300,12 +300,14 @@ class GatedDeltaNet(nn.Module):
         if self.core == "fla" and not torch.onnx.is_in_onnx_export():
             from runtime.model import gdn_kernels
 
-            # the kernels normalise q and k and map value head j to key head j // (HV/H); they
-            # read q, k and v as views of the conv's output (no copies) and each row's source
-            # state in place by `src`
-            q = q.reshape(b, t, self.k_heads, self.dk)
-            k = k.reshape(b, t, self.k_heads, self.dk)
-            v = v.reshape(b, t, self.v_heads, self.dv)
+            # the kernels normalise q and k and map value head j to key head j // (HV/H), and
+            # read each row's source state in place by `src`. q, k and v contiguous: Inductor
+            # gives a custom op's inputs buffers of their own either way, and views of the
+            # conv's output made fla's chunked kernel copy them again, unfused (the 4b prefix
+            # pass 882 → 978 kernels on the H200, h200-2026-12-03b)
+            q = q.reshape(b, t, self.k_heads, self.dk).contiguous()
+            k = k.reshape(b, t, self.k_heads, self.dk).contiguous()
+            v = v.reshape(b, t, self.v_heads, self.dv).contiguous()
             g, beta = g.contiguous(), beta.contiguous()
             if src is None:
                 src = torch.arange(b, device=raw.device)
