@@ -28,8 +28,9 @@ start with the caches a previous call left (without them first where there are n
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
-`--no-crossover` fla's crossover, `--no-kernels` the option-row tiles, `--no-reference` the
-reference's latency, `--no-parity` the float32
+`--no-crossover` the crossover of fla's kernels and our rows kernel (run first, it also
+sets fla's once-a-process autotuning of its chunked kernel to short passes), `--no-kernels`
+the option-row tiles, `--no-reference` the reference's latency, `--no-parity` the float32
 parity at the end of `final` (with the reference it ran past a 390-second guard); SWEEP_UNTIL_S
 bounds the sweep; a carried `.gpu-cache/` (the `caches.tar.xz.*` pieces a dev call returned)
 warms the compilers.
