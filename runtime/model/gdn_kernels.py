@@ -31,13 +31,12 @@ ROWS_WARPS = 1
 # rows of 24 tokens 11-23 % faster (4 × 24: 0.026 → 0.020 ms), 8-token rows unchanged
 # (256 × 8: 0.264 → 0.268 ms; docs/measurements/h200-2026-12-03)
 ROWS_PREFETCH = True
-# passes of at most this many tokens that carry their state on (question rows, short prefixes)
-# run our recurrent kernel (`rows_gated_delta`), reading their sources' states in place and
-# writing the final state; longer ones run fla's chunked kernel. fla's chunked form took 7
-# kernels a layer and 8 input copies around them for a one-question pass of 16 tokens on the
-# H200 (1,435 kernels and 3.3 ms of gaps in the pass, docs/measurements/h200-2026-12-03b);
-# fla's own fused recurrent kernel was slower than its chunked one from 16 tokens up (16 × 16:
-# 0.10 against 0.08 ms, h200-2026-12-01), ours faster than fla's recurrent on every option shape
+# passes of at most this many tokens that carry their state on (question rows) run our kernel
+# (`rows_gated_delta`: the sources' states read in place, the final state written); longer
+# ones (image prefixes, 64 tokens and up) fla's chunked kernel, which took 7 kernels a layer in
+# a one-question pass. Timed on the H200 (4b shapes, BF16, CUDA-graph replays, ms; ours / fla
+# chunked / fla recurrent): 1 × 16 0.013 / 0.026 / 0.020, 16 × 16 0.057 / 0.130 / 0.102,
+# 8 × 32 0.055 / 0.080 / 0.106, 1 × 64 0.043 / 0.038 / 0.072 (docs/measurements/h200-2026-12-03b)
 ROWS_MAX_TOKENS = 32
 
 
