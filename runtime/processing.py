@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -31,6 +32,9 @@ from runtime.types import (
     Row,
     grid_tokens,
 )
+
+if TYPE_CHECKING:  # runtime.images loads on the first decode, not with this module
+    from runtime.images import Allocate
 
 IMAGE_PAD = "<|image_pad|>"
 # The chat template's rendering of one user message [image, instructions] with the generation
@@ -382,7 +386,7 @@ def prepare(
     pack: bool = True,
     resize: bool = True,
     planner: Callable[[Prepared], object] | None = None,
-    allocate: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+    allocate: Allocate | None = None,
 ) -> Prepared:
     """Decodes the image (unless given), tokenizes every question and lays out its rows.
 
@@ -437,7 +441,7 @@ def start_image(
     request: Request,
     pack: bool = True,
     resize: bool = True,
-    allocate: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+    allocate: Allocate | None = None,
 ) -> Future | None:
     """`prepare_image` on an image thread, for a request with the contract's open image."""
     if request.opened is None:

@@ -29,11 +29,10 @@ start with the caches a previous call left (without them first where there are n
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
 `--no-crossover` the crossover of fla's kernels and our rows kernel (`final` only, after the
-engine's timings), `--no-kernels`
-the option-row tiles, `--no-reference` the reference's latency, `--no-parity` the float32
-parity at the end of `final` (with the reference it ran past a 390-second guard); SWEEP_UNTIL_S
-bounds the sweep; a carried `.gpu-cache/` (the `caches.tar.xz.*` pieces a dev call returned)
-warms the compilers.
+engine's timings), `--no-kernels` the option-row tiles, `--no-reference` the reference's
+latency, `--no-parity` the float32 parity at the end of `final` (with the reference it ran
+past a 390-second guard); SWEEP_UNTIL_S bounds the sweep; a carried `.gpu-cache/` (the
+`caches.tar.xz.*` pieces a dev call returned) warms the compilers.
 
 fla-core goes to its own folder, named by FLA_PATH and on PYTHONPATH, so that the float32
 reference runs without it (see reference_answers):

@@ -43,7 +43,7 @@ KERNEL_CHECK = textwrap.dedent(
     assert torch.equal(out, carried)  # the state kept or not, the same outputs
     same = gdn_kernels.option_rows_gated_delta(
         q.contiguous(), k.contiguous(), v.contiguous(), g, beta, states, src, lengths, dk**-0.5)
-    assert torch.equal(out, same)  # views of the conv's output read in place
+    assert torch.equal(out, same)  # views of the conv's output, as contiguous copies
 
     def per_value_head(x):
         return x.repeat_interleave(value_heads // heads, dim=2)
@@ -59,7 +59,7 @@ KERNEL_CHECK = textwrap.dedent(
 
 
 def test_rows_kernel_matches_the_eager_core():
-    """Outputs and final states against the eager core on gathered states, rows read as views
+    """Outputs and final states against the eager core on gathered states, rows given as views
     of one conv output with 0 to 6 valid tokens, outputs alike with or without the state."""
     pytest.importorskip("triton")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from runtime.model.gdn import L2_EPS  # fla's use_qk_l2norm_in_kernel and the eager l2norm
+from runtime.model.layers import per_row
 
 try:  # Triton exists only beside a CUDA build of torch; the CPU runs the eager cores instead
     import triton
@@ -96,8 +97,6 @@ if triton is not None:
         final,
         scale,
         T,
-        stride_q,
-        stride_v,
         H: tl.constexpr,
         HV: tl.constexpr,
         K: tl.constexpr,
@@ -108,10 +107,9 @@ if triton is not None:
         STATE: tl.constexpr,
     ):
         """One program: one row, one value head, BV value columns, the row's valid tokens in
-        order, zeros for its padding (whose outputs no valid token reads). q and k step
-        `stride_q` elements a token, v `stride_v` (views of the conv's output are read in
-        place). With PREFETCH the next token's inputs are loaded before this token's
-        arithmetic, which is unchanged; with STATE the tile's final state is written."""
+        order, zeros for its padding (whose outputs no valid token reads). With PREFETCH the
+        next token's inputs are loaded before this token's arithmetic, which is unchanged; with
+        STATE the tile's final state is written."""
         i_v = tl.program_id(0)
         i_nh = tl.program_id(1).to(tl.int64)
         i_n = i_nh // HV
@@ -127,9 +125,9 @@ if triton is not None:
         last = token + T - 1  # the row's last slot: a load ahead never leaves the row
         # the first token's inputs (a row with none reads a padding slot, unused); each step
         # then loads the next token's while the current one's arithmetic runs
-        n_q = tl.load(q + token * stride_q + i_h * K + o_k)
-        n_k = tl.load(k + token * stride_q + i_h * K + o_k)
-        n_v = tl.load(v + token * stride_v + i_hv * V + o_v)
+        n_q = tl.load(q + (token * H + i_h) * K + o_k)
+        n_k = tl.load(k + (token * H + i_h) * K + o_k)
+        n_v = tl.load(v + (token * HV + i_hv) * V + o_v)
         n_g = tl.load(g + token * HV + i_hv)
         n_beta = tl.load(beta + token * HV + i_hv)
         t = 0
@@ -138,15 +136,15 @@ if triton is not None:
                 b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
                 b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
                 after = tl.minimum(token + 1, last)
-                n_q = tl.load(q + after * stride_q + i_h * K + o_k)
-                n_k = tl.load(k + after * stride_q + i_h * K + o_k)
-                n_v = tl.load(v + after * stride_v + i_hv * V + o_v)
+                n_q = tl.load(q + (after * H + i_h) * K + o_k)
+                n_k = tl.load(k + (after * H + i_h) * K + o_k)
+                n_v = tl.load(v + (after * HV + i_hv) * V + o_v)
                 n_g = tl.load(g + after * HV + i_hv)
                 n_beta = tl.load(beta + after * HV + i_hv)
             else:
-                b_q = tl.load(q + token * stride_q + i_h * K + o_k).to(tl.float32)
-                b_k = tl.load(k + token * stride_q + i_h * K + o_k).to(tl.float32)
-                b_v = tl.load(v + token * stride_v + i_hv * V + o_v).to(tl.float32)
+                b_q = tl.load(q + (token * H + i_h) * K + o_k).to(tl.float32)
+                b_k = tl.load(k + (token * H + i_h) * K + o_k).to(tl.float32)
+                b_v = tl.load(v + (token * HV + i_hv) * V + o_v).to(tl.float32)
                 b_g = tl.load(g + token * HV + i_hv).to(tl.float32)
                 b_beta = tl.load(beta + token * HV + i_hv).to(tl.float32)
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
@@ -181,8 +179,8 @@ def option_rows_gated_delta(
 ) -> torch.Tensor:
     """Option rows as leaves: row n continues `states[src[n]]` (float32 [S, HV, dk, dv], read
     in place, never gathered per row) and returns only its outputs [B, T, HV, dv] in v's dtype.
-    q, k [B, T, H, dk] and v [B, T, HV, dv] may be views whose tokens are evenly strided (the
-    conv's output split); g, beta float32 [B, T, HV]. The kernel walks each row's first
+    q, k [B, T, H, dk] and v [B, T, HV, dv] in any layout (made contiguous); g, beta float32
+    [B, T, HV]. The kernel walks each row's first
     `lengths[n]` tokens and writes zeros after them: a padded token (g = β = 0) leaves the
     state as it is and no valid token reads its output (h200-2026-12-02h: 1,675 of the
     255-option pass's 2,048 tokens)."""
@@ -214,8 +212,7 @@ def rows_gated_delta(
     if q.shape[1] <= ROWS_MAX_TOKENS:
         return option_rows(q, k, v, g, beta, states, src, lengths, scale, state=True)
     # one source (an image prefix's empty state): a view, where a gather was a kernel a layer
-    per_row = states.expand(q.shape[0], -1, -1, -1) if states.shape[0] == 1 else states[src]
-    return fla_gated_delta(q, k, v, g, beta, per_row, scale)
+    return fla_gated_delta(q, k, v, g, beta, per_row(states, src, q.shape[0]), scale)
 
 
 @rows_gated_delta.register_fake
@@ -223,16 +220,6 @@ def _(q, k, v, g, beta, states, src, lengths, scale):
     b, _, heads, dv = v.shape
     final = states.new_empty(b, heads, q.shape[3], dv, dtype=torch.float32)
     return v.new_empty(v.shape), final
-
-
-def token_stride(x: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, dim] as the kernel reads it: itself where its heads are packed and
-    every token starts a fixed number of elements after the one before (a view of the conv's
-    output), else a contiguous copy."""
-    b, t, _, dim = x.shape
-    packed = x.stride(3) == 1 and x.stride(2) == dim
-    even = b == 1 or x.stride(0) == t * x.stride(1)
-    return x if packed and even else x.contiguous()
 
 
 def option_rows(
@@ -260,16 +247,13 @@ def option_rows(
     value_heads, dv = v.shape[2], v.shape[3]
     if dv % block_v or dk & (dk - 1) or value_heads % heads:
         raise ValueError(f"rows kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}")
-    q, k, v = token_stride(q), token_stride(k), token_stride(v)
-    if q.stride(1) != k.stride(1):
-        q, k = q.contiguous(), k.contiguous()
     out = v.new_empty(b, t, value_heads, dv)
     final = states.new_empty(b, value_heads, dk, dv, dtype=torch.float32) if state else out
     grid = (dv // block_v, b * value_heads)
     _rows_kernel[grid](
-        q,
-        k,
-        v,
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
         g.contiguous(),
         beta.contiguous(),
         states.contiguous(),
@@ -279,8 +263,6 @@ def option_rows(
         final,
         scale,
         t,
-        q.stride(1),
-        v.stride(1),
         H=heads,
         HV=value_heads,
         K=dk,

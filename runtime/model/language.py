@@ -21,6 +21,7 @@ from runtime.model.layers import (
     GatedRMSNorm,
     RMSNorm,
     fuse_linears,
+    per_row,
     product,
     projections,
     rotate_half,
@@ -510,14 +511,6 @@ def lm_args(feeds: dict, config: dict) -> tuple:
 
 
 # -- the torch backend's pass -------------------------------------------------------------------
-
-
-def per_row(per_source: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each row's copy of its source's tensor: a broadcast view when there is one source (every
-    row continues the same state), a gather otherwise."""
-    if per_source.shape[0] == 1:
-        return per_source.expand(rows, *per_source.shape[1:])
-    return per_source[src]
 
 
 def attention_block(layer, h, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):

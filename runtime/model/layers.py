@@ -86,6 +86,14 @@ def projections(
     return list(product(x, weight, floors).split(sizes, dim=-1))
 
 
+def per_row(per_source: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's copy of its source's tensor: a broadcast view when there is one source (every
+    row continues the same state), a gather otherwise."""
+    if per_source.shape[0] == 1:
+        return per_source.expand(rows, *per_source.shape[1:])
+    return per_source[src]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
