@@ -18,13 +18,17 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
     python scripts/gpu_torch.py probe      # the option-row kernel's prefetch; the image graph
                                            # on the tiny checkpoint (a short call, no 4b)
+    python scripts/gpu_torch.py attention  # the attention kernel's check alone (exit 1: failed)
 
 `OMNIJEV_AOT_BLOCKS=1` in the environment (this process and those it starts) compiles the
 language-model blocks ahead of time (runtime.backends.aot): `cold` then measures a start that
 loads them without tracing. `--floors-in-graph` pads products to their row floors in the
 traced graph again, not inside an op (runtime.model.layers.FLOORS_IN_OP False), for a
-comparison; `cold --only-without` runs the start without caches alone, `cold --only-with` the
-start with the caches a previous call left (without them first where there are none);
+comparison, `--folded-attention` the folded products in place of the attention kernel
+(runtime.backends.compiled.ATTENTION_KERNEL False), `--joint-parts N` N parts a joint pass
+(runtime.passes.JOINT_PARTS); `cold --only-without` runs the start
+without caches alone, `cold --only-with` the start with the caches a previous call left
+(without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
@@ -95,6 +99,12 @@ COLD_LOG_CHARS = 4_000_000
 CROSSOVER = [(1, 16), (2, 16), (16, 16), (1, 32), (8, 32), (1, 64), (1, 128), (1, 640)]
 # (rows, tokens, source states) of the option-row kernel's timings: the option passes' shapes
 OPTION_ROW_SHAPES = ((256, 8, 1), (32, 8, 11), (4, 24, 1), (64, 8, 16), (32, 16, 16), (16, 24, 16))
+# (rows, tokens, shared keys, past keys) of the attention kernel's check: an image prefix pass,
+# 1 and 12 questions' question parts, option parts of 8 and 24 tokens, 255 options' rows
+ATTENTION_SHAPES = (
+    (1, 640, 1, 1), (2, 16, 640, 1), (16, 16, 640, 1), (4, 8, 640, 16), (8, 24, 640, 16),
+    (256, 8, 640, 16),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -138,12 +148,21 @@ def environment() -> dict:
 
 def apply_flags() -> None:
     """`--floors-in-graph`: the row floors' padding in the traced graph, not inside
-    runtime.model.layers.floored_linear (in this process and the cold-start processes it
-    starts, which get the same flags)."""
+    runtime.model.layers.floored_linear; `--folded-attention`: the folded products in place of
+    the attention kernel; `--joint-parts N`: N parts a joint pass (in this process and the
+    cold-start processes it starts, which get the same flags)."""
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 
         layers.FLOORS_IN_OP = False
+    if "--folded-attention" in sys.argv:
+        from runtime.backends import compiled
+
+        compiled.ATTENTION_KERNEL = False
+    if "--joint-parts" in sys.argv:
+        from runtime import passes
+
+        passes.JOINT_PARTS = int(sys.argv[sys.argv.index("--joint-parts") + 1])
 
 
 def build(preset: str = PRESET) -> dict:
@@ -343,6 +362,89 @@ def option_rows_kernel() -> list[dict]:
         rows.append(row)
         log(f"option rows {row}")
     return rows
+
+
+def attention_inputs(b: int, t: int, p: int, past: int) -> tuple:
+    """`rows_attention`'s arguments on the 4b's attention shapes (16 query heads, 4 KV heads of
+    256), BF16: q and own k, v as `mix` gives them (transposed views), the past one source's
+    broadcast view, every shared and past key visible, the own ones causal over random lengths
+    (the first row full)."""
+    import torch
+
+    heads, kv_heads, hd = 16, 4, 256
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def random(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator).bfloat16()
+
+    q = random(b, t, heads, hd).transpose(1, 2)
+    k, v = random(b, t, kv_heads, hd).transpose(1, 2), random(b, t, kv_heads, hd).transpose(1, 2)
+    shared_k, shared_v = random(1, kv_heads, p, hd), random(1, kv_heads, p, hd)
+    past_k = random(1, kv_heads, past, hd).expand(b, -1, -1, -1)
+    past_v = random(1, kv_heads, past, hd).expand(b, -1, -1, -1)
+    lengths = torch.randint(1, t + 1, (b,), device="cuda", generator=generator)
+    lengths[0] = t
+    steps = torch.arange(t, device="cuda")
+    valid = steps[None] < lengths[:, None]
+    own = (steps[None, :, None] >= steps[None, None, :]) & valid[:, None, :]
+    seen = torch.ones(b, t, p + past, dtype=torch.bool, device="cuda")
+    mask = torch.cat([seen, own], dim=-1)
+    return q, shared_k, shared_v, past_k, past_v, k, v, mask, hd**-0.5
+
+
+def attention_kernel_check() -> list[dict]:
+    """The attention kernel (runtime.model.attention_kernels) against the folded products the
+    engine ran before (fixed rows, FIT_TOKENS) on the 4b shapes, BF16: CUDA-graph replays of
+    each, each one's largest difference to the attention in float32 on the same inputs over
+    the valid tokens, and whether a row gets the same bytes alone, reversed and repeated."""
+    import torch
+
+    from runtime.model import attention_kernels
+    from runtime.model.language import folded_attention, grouped_attention
+    from runtime.passes import FIT_TOKENS
+
+    rows = []
+    for b, t, p, past in ATTENTION_SHAPES:
+        args = attention_inputs(b, t, p, past)
+        mask = args[7]
+        ours = partial(attention_kernels.rows_attention, *args)
+        folded = partial(folded_attention, *args, min_tokens=FIT_TOKENS)
+        exact = grouped_attention(*(x.float() for x in args[:7]), mask, args[8])
+        valid = mask[:, :, -t:].any(-1)  # a valid token sees itself
+        got, before = ours(), folded()
+        reverse = torch.arange(b - 1, -1, -1, device="cuda")
+        flipped = attention_kernels.rows_attention(
+            *(x[reverse] if x.shape[0] == b else x for x in args[:8]), args[8]
+        )
+        alone = attention_kernels.rows_attention(
+            *(x[:1] if x.shape[0] == b else x for x in args[:8]), args[8]
+        )
+        row = {
+            "rows": b, "tokens": t, "shared": p, "past": past,
+            "kernel_ms": graph_ms(ours), "folded_ms": graph_ms(folded),
+            "kernel_difference": (got.float() - exact)[valid].abs().max().item(),
+            "folded_difference": (before.float() - exact)[valid].abs().max().item(),
+            "same_bytes_alone": torch.equal(alone, got[:1]),
+            "same_bytes_reversed": torch.equal(flipped, got[reverse]),
+            "repeatable": torch.equal(got, ours()),
+        }  # fmt: skip
+        rows.append(row)
+        log(f"attention kernel {row}")
+    return rows
+
+
+def attention_session() -> bool:
+    """The attention kernel's check alone (a short call, no export): whether every shape gave
+    a row its bytes alone, reversed and repeated, and stayed within 0.05 of float32 (BF16's
+    own rounding of the result is 0.004 at most for values below 1)."""
+    report = {"environment": environment()}
+    rows = attempt(report, "attention_kernel", attention_kernel_check)
+    save("attention.json", report)
+    print(json.dumps(report, default=str, indent=1))
+    keys = ("same_bytes_alone", "same_bytes_reversed", "repeatable")
+    return isinstance(rows, list) and all(
+        all(r[k] for k in keys) and r["kernel_difference"] < 0.05 for r in rows
+    )
 
 
 def prefetch_probe() -> list[dict]:
@@ -1166,6 +1268,8 @@ def session(final: bool) -> None:
     attempt(report, "build", build)
     if not TINY and "--no-kernels" not in sys.argv:
         attempt(report, "option_rows", option_rows_kernel)
+    if not TINY:
+        attempt(report, "attention_kernel", attention_kernel_check)
     attempt(report, "device_resize", device_resize)
     run = Run("bf16")
     started = time.perf_counter()
@@ -1411,7 +1515,8 @@ def summarise(report: dict) -> None:
         reference = report.get("reference_fla")
         reference = reference if isinstance(reference, list) else None
         summary += ["whole request", latency_table(report["requests"], reference)]
-    for key in ("crossover", "invariance", "peak_memory", "cold_start", "parity_float32"):
+    keys = ("attention_kernel", "crossover", "invariance", "peak_memory", "cold_start")
+    for key in (*keys, "parity_float32"):
         if key in report:
             summary.append(f"{key}: {json.dumps(report[key], default=str)[:1500]}")
     save("summary.md", "\n\n".join(summary))
@@ -1437,5 +1542,7 @@ if __name__ == "__main__":
         parts_session()
     elif mode == "probe":
         probe_session()
+    elif mode == "attention":
+        sys.exit(0 if attention_session() else 1)
     else:
         session(final=mode == "final")

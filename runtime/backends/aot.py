@@ -19,7 +19,7 @@ import torch
 
 # a saved graph calls the model's custom ops by name, and nothing registers them when no block
 # is traced: the fla core's op was missing on the H200 (docs/measurements/h200-2026-12-02e)
-from runtime.model import gdn_kernels, layers  # noqa: F401
+from runtime.model import attention_kernels, gdn_kernels, layers  # noqa: F401
 
 log = logging.getLogger("omnijev.aot")
 

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -91,6 +92,11 @@ FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
 # docs/measurements/h200-2026-12-02)
 JOINT_TOKENS = QUESTION_TOKENS + 2 * OPTION_FAMILIES[0][2]
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
+# attention on CUDA in half precision as one Triton kernel a layer
+# (runtime.model.attention_kernels.rows_attention) in place of folded_attention's four padded
+# products, softmax and copies: a program holds one row's queries, so a row's bytes need no
+# fixed-row padding; off (False) gives the folded form back, for comparison
+ATTENTION_KERNEL = True
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
 
 
@@ -127,6 +133,16 @@ def fla_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def attention_kernel(wanted: bool) -> Callable | None:
+    """The attention kernel's op where it is wanted (CUDA, half precision), on and Triton
+    imports; else None (the folded products)."""
+    if not (wanted and ATTENTION_KERNEL):
+        return None
+    from runtime.model import attention_kernels
+
+    return attention_kernels.rows_attention if attention_kernels.triton is not None else None
 
 
 def engine_dtype(engines_dir: Path, cuda: bool) -> torch.dtype:
@@ -297,9 +313,11 @@ class TorchBackend:
     def prepare_modules(self, cuda: bool) -> None:
         """The runtime forms of attention and Gated DeltaNet and the fused input projections (the
         export keeps its own)."""
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        kernel = attention_kernel(cuda and half)
         for layer in self.language.layers:
             if layer.kind == "full_attention":
-                layer.self_attn.attend = folded_attention
+                layer.self_attn.attend = kernel or folded_attention
                 layer.self_attn.fuse()
             else:
                 layer.linear_attn.core = "fla" if self.fla else "eager"
@@ -308,7 +326,6 @@ class TorchBackend:
         # fused attention only in half precision: its float32 kernels are not the reference's
         # float32 arithmetic (float32 answers moved by up to 0.028 on the H200, tensor-core
         # rounding suspected; the explicit products run at "highest" precision)
-        half = self.dtype in (torch.bfloat16, torch.float16)
         for block in self.vision.blocks:
             block.sdpa = cuda and half
         for module in (self.language, self.vision):
@@ -336,7 +353,8 @@ class TorchBackend:
         for layer in self.language.layers:
             block = layer.self_attn if layer.kind == "full_attention" else layer.linear_attn
             block.row_floors = layer.mlp.row_floors = floors
-            if layer.kind == "full_attention":
+            # the attention kernel needs no fixed rows: a program holds one row's queries
+            if layer.kind == "full_attention" and block.attend is folded_attention:
                 block.attend = partial(folded_attention, min_tokens=FIT_TOKENS)
         if self.fla:
             pin_fla_cumsum()

@@ -69,16 +69,19 @@ def grouped_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
     shared_v: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """q [B, H, T, hd] over the shared keys/values [1, KVH, P, hd] (the image prefix, read by
-    every row in place, never copied per row) followed by each row's own [B, KVH, L, hd]; query
-    head h reads KV head h // (H/KVH). `mask` [B, T, P + L] is true where a key is visible.
-    One softmax over both parts; the two weighted sums are added in float32.
-    Returns [B, T, H·hd]."""
+    every row in place, never copied per row) followed by each row's past [B, KVH, Q, hd] and
+    its own k, v [B, KVH, T, hd]; query head h reads KV head h // (H/KVH). `mask`
+    [B, T, P + Q + T] is true where a key is visible. One softmax over all; the shared and
+    the row's weighted sums are added in float32. Returns [B, T, H·hd]."""
+    keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
     b, heads, t, hd = q.shape
     kv_heads = keys.shape[1]
     qg = q.reshape(b, kv_heads, heads // kv_heads, t, hd)
@@ -113,8 +116,10 @@ def folded_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
     shared_v: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
     min_tokens: int = 0,
@@ -127,6 +132,7 @@ def folded_attention(
     rows (zero rows appended, cut after): one shape per length bucket whatever the pass's row
     count, so a row's bytes cannot follow the kernel its row count would pick. The softmax and
     the rest see the real rows only."""
+    keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
     shared_k, shared_v, keys, values, mask = aligned_keys(shared_k, shared_v, keys, values, mask)
     b, heads, t, hd = q.shape
     kv_heads, p = keys.shape[1], shared_k.shape[2]
@@ -175,7 +181,8 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, tc["rms_norm_eps"])
-        self.attend = grouped_attention  # the torch backend swaps in folded_attention
+        # the torch backend swaps in folded_attention, or on CUDA in half precision its kernel
+        self.attend = grouped_attention
         self.register_buffer("qkv", None, persistent=False)  # fuse(): q, k and v as one
 
     def fuse(self) -> None:
@@ -204,9 +211,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.reshape(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys = torch.cat([src_k, k], dim=2)
-        values = torch.cat([src_v, v], dim=2)
-        attn = self.attend(q, prefix_k, prefix_v, keys, values, mask, self.head_dim**-0.5)
+        attn = self.attend(q, prefix_k, prefix_v, src_k, src_v, k, v, mask, self.head_dim**-0.5)
         return attn, k, v
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

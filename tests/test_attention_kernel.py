@@ -1,0 +1,91 @@
+"""The torch backend's attention kernel (runtime.model.attention_kernels) against the eager
+grouped attention, and a row's bytes alone, among others and reversed; run by Triton's
+interpreter on the CPU in float32 where Triton is installed (its BF16 dots are not emulated:
+scripts/gpu_torch.py checks BF16 on the H200), skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# run in a fresh interpreter: Triton reads TRITON_INTERPRET when a kernel is decorated
+KERNEL_CHECK = textwrap.dedent(
+    """
+    import torch
+    from runtime.model.attention_kernels import rows_attention
+    from runtime.model.language import grouped_attention
+
+    torch.manual_seed(0)
+    worst = 0.0
+    # (rows, query heads, KV heads, tokens, head dim, shared keys, past keys, one past source)
+    for b, heads, kv_heads, t, hd, p, past, shared in [
+        (3, 4, 2, 5, 32, 7, 3, False), (2, 8, 2, 8, 64, 70, 16, True),
+        (1, 4, 2, 40, 32, 1, 1, True),
+    ]:
+        q = torch.randn(b, t, heads, hd).transpose(1, 2)  # views, as mix gives them
+        k, v = (torch.randn(b, t, kv_heads, hd).transpose(1, 2) for _ in range(2))
+        shared_k, shared_v = torch.randn(1, kv_heads, p, hd), torch.randn(1, kv_heads, p, hd)
+        if shared:
+            past_k, past_v = (
+                torch.randn(1, kv_heads, past, hd).expand(b, -1, -1, -1) for _ in range(2))
+        else:
+            past_k, past_v = torch.randn(b, kv_heads, past, hd), torch.randn(b, kv_heads, past, hd)
+        lengths = torch.randint(1, t + 1, (b,))
+        steps = torch.arange(t)
+        valid = steps[None] < lengths[:, None]
+        own = (steps[None, :, None] >= steps[None, None, :]) & valid[:, None, :]
+        seen = torch.cat([torch.rand(1, p) > 0.2, torch.zeros(1, past, dtype=torch.bool)], -1)
+        seen = seen.expand(b, -1).clone()
+        seen[:, p:] = torch.rand(b, past) > 0.3
+        mask = torch.cat([seen[:, None].expand(-1, t, -1), own], dim=-1)
+        args = (q, shared_k, shared_v, past_k, past_v, k, v, mask)
+        got = rows_attention(*args, 0.3)
+        expected = grouped_attention(*args, 0.3)
+        worst = max(worst, float((got - expected).abs().max()))
+        alone = rows_attention(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
+        assert torch.equal(alone, got[:1]), "a row alone differs"
+        back = torch.arange(b - 1, -1, -1)
+        flipped = rows_attention(*(x[back] if x.shape[0] == b else x for x in args), 0.3)
+        assert torch.equal(flipped, got[back]), "reversed rows differ"
+    print(worst)
+    """
+)
+
+
+def test_attention_kernel_matches_grouped_attention():
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_attention_kernel_is_a_custom_op_with_a_fake():
+    from runtime.model import attention_kernels
+
+    q = torch.empty(3, 8, 5, 64, device="meta").transpose(1, 2).transpose(1, 2)
+    shared = torch.empty(1, 2, 7, 64, device="meta")
+    past = torch.empty(1, 2, 4, 64, device="meta").expand(3, -1, -1, -1)
+    own = torch.empty(3, 2, 5, 64, device="meta")
+    mask = torch.empty(3, 5, 7 + 4 + 5, dtype=torch.bool, device="meta")
+    out = attention_kernels.rows_attention(q, shared, shared, past, past, own, own, mask, 0.5)
+    assert out.shape == (3, 5, 8 * 64) and out.is_contiguous()
+
+
+def test_the_query_tile_follows_the_length_bucket_only():
+    from runtime.model.attention_kernels import BLOCK_ROWS, DOT_MIN, TILES, query_tile
+
+    assert query_tile(4, 2) == DOT_MIN and query_tile(4, 8) == 32
+    assert query_tile(4, 16) == query_tile(4, 640) == BLOCK_ROWS
+    assert {query_tile(4, t) for t in (1, 2, 4, 8, 16, 24, 32, 640)} <= set(TILES)
