@@ -25,8 +25,9 @@ language-model blocks ahead of time (runtime.backends.aot): `cold` then measures
 loads them without tracing. `--floors-in-graph` pads products to their row floors in the
 traced graph again, not inside an op (runtime.model.layers.FLOORS_IN_OP False), for a
 comparison, `--folded-attention` the folded products in place of the attention kernel
-(runtime.backends.compiled.ATTENTION_KERNEL False), `--joint-parts N` N parts a joint pass
-(runtime.passes.JOINT_PARTS); `cold --only-without` runs the start
+(runtime.backends.compiled.ATTENTION_KERNEL False), `--attention-chunk N` the kernel's
+shared keys in chunks of N (runtime.model.attention_kernels.CHUNK_KEYS), `--joint-parts N` N
+parts a joint pass (runtime.passes.JOINT_PARTS); `cold --only-without` runs the start
 without caches alone, `cold --only-with` the start with the caches a previous call left
 (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
@@ -138,19 +139,25 @@ def environment() -> dict:
     import torch
 
     from runtime import passes
-    from runtime.backends.compiled import versions
-    from runtime.model import layers
+    from runtime.backends import compiled
+    from runtime.model import attention_kernels, layers
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    settings = {"floors_in_op": layers.FLOORS_IN_OP, "joint_parts": passes.JOINT_PARTS}
-    return {"gpu": gpu, "versions": versions(), **settings}
+    settings = {
+        "floors_in_op": layers.FLOORS_IN_OP,
+        "joint_parts": passes.JOINT_PARTS,
+        "attention_kernel": compiled.ATTENTION_KERNEL,
+        "attention_chunk": attention_kernels.CHUNK_KEYS,
+    }
+    return {"gpu": gpu, "versions": compiled.versions(), **settings}
 
 
 def apply_flags() -> None:
     """`--floors-in-graph`: the row floors' padding in the traced graph, not inside
     runtime.model.layers.floored_linear; `--folded-attention`: the folded products in place of
-    the attention kernel; `--joint-parts N`: N parts a joint pass (in this process and the
-    cold-start processes it starts, which get the same flags)."""
+    the attention kernel; `--attention-chunk N`: its shared keys in chunks of N; `--joint-parts
+    N`: N parts a joint pass (in this process and the cold-start processes it starts, which
+    get the same flags)."""
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 
@@ -159,6 +166,10 @@ def apply_flags() -> None:
         from runtime.backends import compiled
 
         compiled.ATTENTION_KERNEL = False
+    if "--attention-chunk" in sys.argv:
+        from runtime.model import attention_kernels
+
+        attention_kernels.CHUNK_KEYS = int(sys.argv[sys.argv.index("--attention-chunk") + 1])
     if "--joint-parts" in sys.argv:
         from runtime import passes
 
@@ -392,6 +403,9 @@ def attention_inputs(b: int, t: int, p: int, past: int) -> tuple:
     return q, shared_k, shared_v, past_k, past_v, k, v, mask, hd**-0.5
 
 
+ATTENTION_CHUNKS = (64, 128, 256)  # shared keys a program, timed beside one program for all
+
+
 def attention_kernel_check() -> list[dict]:
     """The attention kernel (runtime.model.attention_kernels) against the folded products the
     engine ran before (fixed rows, FIT_TOKENS) on the 4b shapes, BF16: CUDA-graph replays of
@@ -428,6 +442,17 @@ def attention_kernel_check() -> list[dict]:
             "same_bytes_reversed": torch.equal(flipped, got[reverse]),
             "repeatable": torch.equal(got, ours()),
         }  # fmt: skip
+        for chunk in ATTENTION_CHUNKS:  # the shared keys in chunks, a second kernel merging
+            chunked = partial(attention_kernels.attend_rows, *args, chunk=chunk)
+            pieces = chunked()
+            row[f"chunk{chunk}_ms"] = graph_ms(chunked)
+            row[f"chunk{chunk}_difference"] = (pieces.float() - exact)[valid].abs().max().item()
+            row[f"chunk{chunk}_same_bytes_alone"] = torch.equal(
+                attention_kernels.attend_rows(
+                    *(x[:1] if x.shape[0] == b else x for x in args[:8]), args[8], chunk=chunk
+                ),
+                pieces[:1],
+            )
         rows.append(row)
         log(f"attention kernel {row}")
     return rows

@@ -1,7 +1,8 @@
-"""The torch backend's attention kernel (runtime.model.attention_kernels) against the eager
-grouped attention, and a row's bytes alone, among others and reversed; run by Triton's
-interpreter on the CPU in float32 where Triton is installed (its BF16 dots are not emulated:
-scripts/gpu_torch.py checks BF16 on the H200), skipped elsewhere."""
+"""The torch backend's attention kernel (runtime.model.attention_kernels), in one program or in
+chunks of the shared keys, against the eager grouped attention, and a row's bytes alone,
+among others and reversed; run by Triton's interpreter on the CPU in float32 where Triton is
+installed (its BF16 dots are not emulated: scripts/gpu_torch.py checks BF16 on the H200),
+skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_CHECK = textwrap.dedent(
     """
     import torch
-    from runtime.model.attention_kernels import rows_attention
+    from functools import partial
+
+    from runtime.model.attention_kernels import attend_rows
     from runtime.model.language import grouped_attention
 
     torch.manual_seed(0)
@@ -47,14 +50,16 @@ KERNEL_CHECK = textwrap.dedent(
         seen[:, p:] = torch.rand(b, past) > 0.3
         mask = torch.cat([seen[:, None].expand(-1, t, -1), own], dim=-1)
         args = (q, shared_k, shared_v, past_k, past_v, k, v, mask)
-        got = rows_attention(*args, 0.3)
         expected = grouped_attention(*args, 0.3)
-        worst = max(worst, float((got - expected).abs().max()))
-        alone = rows_attention(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
-        assert torch.equal(alone, got[:1]), "a row alone differs"
-        back = torch.arange(b - 1, -1, -1)
-        flipped = rows_attention(*(x[back] if x.shape[0] == b else x for x in args), 0.3)
-        assert torch.equal(flipped, got[back]), "reversed rows differ"
+        for chunk in (0, 4, 16):  # one program for every key; the shared keys in chunks
+            attend = partial(attend_rows, chunk=chunk)
+            got = attend(*args, 0.3)
+            worst = max(worst, float((got - expected).abs().max()))
+            alone = attend(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
+            assert torch.equal(alone, got[:1]), "a row alone differs"
+            back = torch.arange(b - 1, -1, -1)
+            flipped = attend(*(x[back] if x.shape[0] == b else x for x in args), 0.3)
+            assert torch.equal(flipped, got[back]), "reversed rows differ"
     print(worst)
     """
 )

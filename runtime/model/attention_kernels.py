@@ -28,6 +28,12 @@ DOT_MIN = 16  # tl.dot's smallest tile side
 # on 4 warps 64). Fixed, not tuned: the keys per step set the order of the softmax's sums
 TILES = {16: (32, 4), 32: (32, 8), 64: (16, 8)}
 STAGES = 2  # K and V loads one step ahead
+# Shared keys a program with CHUNK_KEYS (0: one program walks every key). A one-question
+# pass has 8-16 programs a layer, each walking the 640 prefix keys in 40 steps: 74 µs a call
+# on the H200 (h200-2026-12-03c, call 2 trace), where the chunks' programs would walk 8 steps
+# each and a second kernel merges them. The chunks follow the prefix's length alone, so a row's
+# bytes still do not follow the others; not yet timed on the H200, so off
+CHUNK_KEYS = 0
 
 if triton is not None:
     # a jitted function reads only constexpr globals
@@ -67,14 +73,17 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(
-        q, shared_k, shared_v, past_k, past_v, own_k, own_v, mask, out, scale,
-        T, P, Q, KVH,
+        q, shared_k, shared_v, past_k, past_v, own_k, own_v, mask, out, part_acc, part_ml,
+        scale, T, P, Q, KVH,
         sq_b, sq_h, sq_t, ss_h, ss_n, sp_b, sp_h, sp_n, so_b, so_h, so_n,
         G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):  # fmt: skip
         """One program: BM folded query rows (group member, token) of one row and KV head,
         against the shared prefix keys, the row's past and its own keys up to its tile's last
-        token (own keys are causal)."""
+        token (own keys are causal). With CHUNK, program (…, c) takes the shared keys
+        [c·CHUNK, (c+1)·CHUNK) only, the last one the past and own keys, and each writes its
+        softmax's running max, sum and weighted values for `_merge_kernel`."""
         i_m = tl.program_id(0)
         i_bh = tl.program_id(1).to(tl.int64)
         i_b, i_kvh = i_bh // KVH, i_bh % KVH
@@ -89,24 +98,70 @@ if triton is not None:
         m_i = tl.full([BM], MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
         visible = mask + (i_b * T + o_t) * (P + Q + T)
+        last = tl.max(tl.where(row_ok, o_t, 0)) + 1  # no token sees a later one of its row
+        first, shared, past_count = 0, P, Q
+        if CHUNK:
+            i_c = tl.program_id(2)
+            first = i_c * CHUNK
+            shared = tl.maximum(tl.minimum(P - first, CHUNK), 0)  # none for the last program
+            mine = i_c == tl.num_programs(2) - 1
+            past_count = tl.where(mine, Q, 0)
+            last = tl.where(mine, last, 0)
+        at = i_kvh * ss_h + first * ss_n
         acc, m_i, l_i = _keys_step(
-            acc, m_i, l_i, b_q, shared_k + i_kvh * ss_h, shared_v + i_kvh * ss_h, ss_n, P,
-            visible, row_ok, scale, D, BN,
+            acc, m_i, l_i, b_q, shared_k + at, shared_v + at, ss_n, shared, visible + first,
+            row_ok, scale, D, BN,
         )  # fmt: skip
         past = i_b * sp_b + i_kvh * sp_h
         acc, m_i, l_i = _keys_step(
-            acc, m_i, l_i, b_q, past_k + past, past_v + past, sp_n, Q, visible + P, row_ok,
-            scale, D, BN,
-        )  # fmt: skip
-        mine = i_b * so_b + i_kvh * so_h
-        last = tl.max(tl.where(row_ok, o_t, 0)) + 1  # no token sees a later one of its row
-        acc, m_i, l_i = _keys_step(
-            acc, m_i, l_i, b_q, own_k + mine, own_v + mine, so_n, last, visible + P + Q,
+            acc, m_i, l_i, b_q, past_k + past, past_v + past, sp_n, past_count, visible + P,
             row_ok, scale, D, BN,
         )  # fmt: skip
-        result = acc / l_i[:, None]
-        written = out + (i_b * T + o_t[:, None]) * (KVH * G * D) + head[:, None] * D + o_d[None, :]
-        tl.store(written, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+        own = i_b * so_b + i_kvh * so_h
+        acc, m_i, l_i = _keys_step(
+            acc, m_i, l_i, b_q, own_k + own, own_v + own, so_n, last, visible + P + Q,
+            row_ok, scale, D, BN,
+        )  # fmt: skip
+        if CHUNK:
+            piece = (i_bh * tl.num_programs(0) + i_m) * tl.num_programs(2) + tl.program_id(2)
+            o_r = tl.arange(0, BM)
+            tl.store(part_acc + piece * BM * D + o_r[:, None] * D + o_d[None, :], acc)
+            tl.store(part_ml + piece * 2 * BM + o_r, m_i)
+            tl.store(part_ml + piece * 2 * BM + BM + o_r, l_i)
+        else:
+            result = acc / l_i[:, None]
+            at_out = (i_b * T + o_t[:, None]) * (KVH * G * D) + head[:, None] * D + o_d[None, :]
+            tl.store(out + at_out, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_kernel(
+        part_acc, part_ml, out, T, KVH, CHUNKS,
+        G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+    ):  # fmt: skip
+        """The attention of `_attention_kernel`'s CHUNKS pieces of one query tile, in their
+        order: the largest max first, then each piece's sum and values weighted by it."""
+        i_m = tl.program_id(0)
+        i_bh = tl.program_id(1).to(tl.int64)
+        i_b, i_kvh = i_bh // KVH, i_bh % KVH
+        o_f = i_m * BM + tl.arange(0, BM)
+        row_ok = o_f < G * T
+        o_t = tl.where(row_ok, o_f % T, 0)
+        head = i_kvh * G + tl.where(row_ok, o_f // T, 0)
+        o_r, o_d = tl.arange(0, BM), tl.arange(0, D)
+        base = (i_bh * tl.num_programs(0) + i_m) * CHUNKS
+        m_all = tl.full([BM], MASKED_SCORE, dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            m_all = tl.maximum(m_all, tl.load(part_ml + (base + c) * 2 * BM + o_r))
+        l_all = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, D], dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            weight = tl.exp(tl.load(part_ml + (base + c) * 2 * BM + o_r) - m_all)
+            l_all += tl.load(part_ml + (base + c) * 2 * BM + BM + o_r) * weight
+            piece = tl.load(part_acc + (base + c) * BM * D + o_r[:, None] * D + o_d[None, :])
+            acc += piece * weight[:, None]
+        result = acc / l_all[:, None]
+        at_out = (i_b * T + o_t[:, None]) * (KVH * G * D) + head[:, None] * D + o_d[None, :]
+        tl.store(out + at_out, result.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @torch.library.custom_op("omnijev::rows_attention", mutates_args=())
@@ -147,10 +202,14 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> torch.Tensor:
-    """`rows_attention`'s launch (the op's body, also called by scripts/gpu_torch.py)."""
+def attend_rows(
+    q, shared_k, shared_v, past_k, past_v, k, v, mask, scale, chunk: int | None = None
+) -> torch.Tensor:
+    """`rows_attention`'s launch (the op's body, also called by scripts/gpu_torch.py); `chunk`
+    shared keys a program (CHUNK_KEYS where None, 0: one program for every key)."""
     if triton is None:
         raise RuntimeError("the attention kernel needs triton")
+    chunk = CHUNK_KEYS if chunk is None else chunk
     b, heads, t, hd = q.shape
     kv_heads, p, past = k.shape[1], shared_k.shape[2], past_k.shape[2]
     if hd & (hd - 1) or heads % kv_heads or shared_k.shape[0] != 1:
@@ -167,14 +226,25 @@ def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> tor
     tile = query_tile(group, t)
     out = v.new_empty(b, t, heads * hd)
     keys_per_step, warps = TILES[tile]
-    grid = (triton.cdiv(group * t, tile), b * kv_heads)
+    tiles = triton.cdiv(group * t, tile)
+    chunks = triton.cdiv(p, chunk) + 1 if chunk else 1
+    grid = (tiles, b * kv_heads, chunks)
+    pieces = tiles * b * kv_heads * chunks if chunk else 0
+    part_acc = q.new_empty(pieces, tile, hd, dtype=torch.float32)
+    part_ml = q.new_empty(pieces, 2, tile, dtype=torch.float32)
     _attention_kernel[grid](
-        q, shared_k, shared_v, past_k, past_v, k, v,
-        mask.contiguous(), out, scale, t, p, past, kv_heads,
+        q, shared_k, shared_v, past_k, past_v, k, v, mask.contiguous(), out, part_acc, part_ml,
+        scale, t, p, past, kv_heads,
         q.stride(0), q.stride(1), q.stride(2),
         shared_k.stride(1), shared_k.stride(2),
         past_k.stride(0), past_k.stride(1), past_k.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
-        G=group, D=hd, BM=tile, BN=keys_per_step, num_warps=warps, num_stages=STAGES,
+        G=group, D=hd, BM=tile, BN=keys_per_step, CHUNK=chunk, num_warps=warps,
+        num_stages=STAGES,
     )  # fmt: skip
+    if chunk:
+        _merge_kernel[(tiles, b * kv_heads)](
+            part_acc, part_ml, out, t, kv_heads, chunks, G=group, D=hd, BM=tile,
+            num_warps=warps,
+        )  # fmt: skip
     return out
