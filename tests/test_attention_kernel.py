@@ -1,23 +1,17 @@
 """The torch backend's attention kernel (runtime.model.attention_kernels), in one program or in
 chunks of the shared keys, against the eager grouped attention, and a row's bytes alone,
-among others and reversed; run by Triton's interpreter on the CPU in float32 where Triton is
-installed (its BF16 dots are not emulated: scripts/gpu_torch.py checks BF16 on the H200),
-skipped elsewhere."""
+among others and reversed; run by Triton's interpreter on the CPU in float32 (Triton is a dev
+dependency; its interpreter's BF16 dots are not exact: scripts/gpu_torch.py checks BF16 on the
+H200), skipped where Triton is missing."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreted import run_interpreted
 
-# run in a fresh interpreter: Triton reads TRITON_INTERPRET when a kernel is decorated
 KERNEL_CHECK = textwrap.dedent(
     """
     import torch
@@ -66,14 +60,7 @@ KERNEL_CHECK = textwrap.dedent(
 
 
 def test_attention_kernel_matches_grouped_attention():
-    pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    assert float(run_interpreted(KERNEL_CHECK)[-1]) < 1e-5
 
 
 def test_attention_kernel_is_a_custom_op_with_a_fake():

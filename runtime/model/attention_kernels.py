@@ -72,6 +72,26 @@ if triton is not None:
         return acc, m_i, l_i
 
     @triton.jit
+    def _query_tile(KVH, T, G: tl.constexpr, BM: tl.constexpr):
+        """This program's query tile: its index, row and KV head, which of its BM folded rows
+        (group member, token) exist, and each one's token and query head."""
+        i_m = tl.program_id(0)
+        i_bh = tl.program_id(1).to(tl.int64)
+        i_b, i_kvh = i_bh // KVH, i_bh % KVH
+        o_f = i_m * BM + tl.arange(0, BM)
+        row_ok = o_f < G * T
+        o_t = tl.where(row_ok, o_f % T, 0)
+        head = i_kvh * G + tl.where(row_ok, o_f // T, 0)
+        return i_m, i_bh, i_b, i_kvh, row_ok, o_t, head
+
+    @triton.jit
+    def _store_tile(out, result, i_b, o_t, head, row_ok, T, KVH, G: tl.constexpr, D):
+        """A query tile's attention into out [B, T, H·D] at each row's token and query head."""
+        o_d = tl.arange(0, D)
+        at = (i_b * T + o_t[:, None]) * (KVH * G * D) + head[:, None] * D + o_d[None, :]
+        tl.store(out + at, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
     def _attention_kernel(
         q, shared_k, shared_v, past_k, past_v, own_k, own_v, mask, out, part_acc, part_ml,
         scale, T, P, Q, KVH,
@@ -84,13 +104,7 @@ if triton is not None:
         token (own keys are causal). With CHUNK, program (…, c) takes the shared keys
         [c·CHUNK, (c+1)·CHUNK) only, the last one the past and own keys, and each writes its
         softmax's running max, sum and weighted values for `_merge_kernel`."""
-        i_m = tl.program_id(0)
-        i_bh = tl.program_id(1).to(tl.int64)
-        i_b, i_kvh = i_bh // KVH, i_bh % KVH
-        o_f = i_m * BM + tl.arange(0, BM)
-        row_ok = o_f < G * T
-        o_t = tl.where(row_ok, o_f % T, 0)
-        head = i_kvh * G + tl.where(row_ok, o_f // T, 0)
+        i_m, i_bh, i_b, i_kvh, row_ok, o_t, head = _query_tile(KVH, T, G, BM)
         o_d = tl.arange(0, D)
         rows = q + i_b * sq_b + head[:, None] * sq_h + o_t[:, None] * sq_t + o_d[None, :]
         b_q = tl.load(rows, mask=row_ok[:, None], other=0.0)
@@ -129,9 +143,7 @@ if triton is not None:
             tl.store(part_ml + piece * 2 * BM + o_r, m_i)
             tl.store(part_ml + piece * 2 * BM + BM + o_r, l_i)
         else:
-            result = acc / l_i[:, None]
-            at_out = (i_b * T + o_t[:, None]) * (KVH * G * D) + head[:, None] * D + o_d[None, :]
-            tl.store(out + at_out, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+            _store_tile(out, acc / l_i[:, None], i_b, o_t, head, row_ok, T, KVH, G, D)
 
     @triton.jit
     def _merge_kernel(
@@ -140,13 +152,7 @@ if triton is not None:
     ):  # fmt: skip
         """The attention of `_attention_kernel`'s CHUNKS pieces of one query tile, in their
         order: the largest max first, then each piece's sum and values weighted by it."""
-        i_m = tl.program_id(0)
-        i_bh = tl.program_id(1).to(tl.int64)
-        i_b, i_kvh = i_bh // KVH, i_bh % KVH
-        o_f = i_m * BM + tl.arange(0, BM)
-        row_ok = o_f < G * T
-        o_t = tl.where(row_ok, o_f % T, 0)
-        head = i_kvh * G + tl.where(row_ok, o_f // T, 0)
+        i_m, i_bh, i_b, _, row_ok, o_t, head = _query_tile(KVH, T, G, BM)
         o_r, o_d = tl.arange(0, BM), tl.arange(0, D)
         base = (i_bh * tl.num_programs(0) + i_m) * CHUNKS
         m_all = tl.full([BM], MASKED_SCORE, dtype=tl.float32)
@@ -159,9 +165,7 @@ if triton is not None:
             l_all += tl.load(part_ml + (base + c) * 2 * BM + BM + o_r) * weight
             piece = tl.load(part_acc + (base + c) * BM * D + o_r[:, None] * D + o_d[None, :])
             acc += piece * weight[:, None]
-        result = acc / l_all[:, None]
-        at_out = (i_b * T + o_t[:, None]) * (KVH * G * D) + head[:, None] * D + o_d[None, :]
-        tl.store(out + at_out, result.to(out.dtype.element_ty), mask=row_ok[:, None])
+        _store_tile(out, acc / l_all[:, None], i_b, o_t, head, row_ok, T, KVH, G, D)
 
 
 @torch.library.custom_op("omnijev::rows_attention", mutates_args=())
