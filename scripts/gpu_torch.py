@@ -12,7 +12,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
                                            # off; --prefix-cache keeps it); host profiles
     python scripts/gpu_torch.py waits --tiny   # where the host waits for the device
     python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
-    python scripts/gpu_torch.py parity     # build when missing; float32 parity alone
+    python scripts/gpu_torch.py parity     # build when missing; float32 parity, then the BF16
+                                           # engine against the same reference (--no-bf16)
     python scripts/gpu_torch.py parts [--emulate-casts]   # two-part joint passes: invariance,
                                            # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
@@ -1060,6 +1061,18 @@ def without_fla() -> dict[str, str]:
 def parity_float32() -> dict:
     """Float32 engine (eager modules + CUDA graphs) against the float32 reference (plain PyTorch,
     another process): 80 answers."""
+    return parity_against_float32(Run("float32", dtype="float32", compile=False))
+
+
+def parity_bfloat16() -> dict:
+    """The shipped BF16 engine (compiled, CUDA graphs) against the same float32 reference: the
+    issue's "BF16 against the float32 reference reported beside it"."""
+    return parity_against_float32(Run("bf16"))
+
+
+def parity_against_float32(run: Run) -> dict:
+    """`run`'s engine against the float32 reference's answers (made once, in a process without
+    fla-core, and kept in WORK): 80 answers."""
     import gc
 
     import torch
@@ -1070,12 +1083,11 @@ def parity_float32() -> dict:
     if not recorded.exists():
         command = [sys.executable, "-u", __file__, "refanswers", str(recorded), *sys.argv[2:]]
         subprocess.run(command, env=without_fla(), check=True)
-    run = Run("float32", dtype="float32", compile=False)
     executor = executor_for(run)
     report = bench.parity(executor, Recorded(recorded), bench.question_sets())
-    log("parity float32\n" + bench.parity_table(report))
+    log(f"parity {run.dtype}\n" + bench.parity_table(report))
     joint = {"joint_passes": executor.joint, "joint_tokens": executor.joint_tokens}
-    log(f"parity float32 ran {joint}")
+    log(f"parity {run.dtype} ran {joint}")
     del executor
     gc.collect()
     torch.cuda.empty_cache()
@@ -1410,11 +1422,15 @@ def parts_session() -> None:
 
 
 def parity_session() -> None:
-    """Float32 parity alone, on a cold machine too: the export is built first when missing."""
+    """Float32 parity alone, on a cold machine too (the export is built first when missing),
+    then the BF16 engine against the same reference unless `--no-bf16`."""
     report = {"environment": environment()}
     attempt(report, "build", build)
     attempt(report, "parity_float32", parity_float32)
     save("parity.json", report)
+    if "--no-bf16" not in sys.argv:
+        attempt(report, "parity_bfloat16", parity_bfloat16)
+        save("parity.json", report)
     summarise(report)
 
 
@@ -1541,7 +1557,7 @@ def summarise(report: dict) -> None:
         reference = reference if isinstance(reference, list) else None
         summary += ["whole request", latency_table(report["requests"], reference)]
     keys = ("attention_kernel", "crossover", "invariance", "peak_memory", "cold_start")
-    for key in (*keys, "parity_float32"):
+    for key in (*keys, "parity_float32", "parity_bfloat16"):
         if key in report:
             summary.append(f"{key}: {json.dumps(report[key], default=str)[:1500]}")
     save("summary.md", "\n\n".join(summary))
