@@ -11,7 +11,7 @@ import torch
 
 from runtime.model.layers import MASKED
 
-try:  # Triton exists only beside a CUDA build of torch; the CPU keeps the eager attention
+try:  # with CUDA builds of torch, and the dev extra (the tests' interpreter); else eager only
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without Triton
@@ -29,7 +29,7 @@ DOT_MIN = 16  # tl.dot's smallest tile side
 TILES = {16: (32, 4), 32: (32, 8), 64: (16, 8)}
 STAGES = 2  # K and V loads one step ahead
 # Shared keys a program with CHUNK_KEYS (0: one program walks every key). A one-question
-# pass has 8-16 programs a layer, each walking the 640 prefix keys in 40 steps: 74 µs a call
+# pass has 8-16 programs a layer, each walking the 640 prefix keys in 20-40 steps: 74 µs a call
 # on the H200 (h200-2026-12-03c, call 2 trace), where the chunks' programs would walk 8 steps
 # each and a second kernel merges them. The chunks follow the prefix's length alone, so a row's
 # bytes still do not follow the others; not yet timed on the H200, so off
