@@ -170,11 +170,16 @@ def apply_flags() -> None:
     if "--attention-chunk" in sys.argv:
         from runtime.model import attention_kernels
 
-        attention_kernels.CHUNK_KEYS = int(sys.argv[sys.argv.index("--attention-chunk") + 1])
+        attention_kernels.CHUNK_KEYS = flag_number("--attention-chunk")
     if "--joint-parts" in sys.argv:
         from runtime import passes
 
-        passes.JOINT_PARTS = int(sys.argv[sys.argv.index("--joint-parts") + 1])
+        passes.JOINT_PARTS = flag_number("--joint-parts")
+
+
+def flag_number(flag: str) -> int:
+    """The integer after `flag` on the command line."""
+    return int(sys.argv[sys.argv.index(flag) + 1])
 
 
 def build(preset: str = PRESET) -> dict:
@@ -407,6 +412,16 @@ def attention_inputs(b: int, t: int, p: int, past: int) -> tuple:
 ATTENTION_CHUNKS = (64, 128, 256)  # shared keys a program, timed beside one program for all
 
 
+def some_rows(args: tuple, index, chunk: int | None = None):
+    """The attention kernel on some of `attention_inputs`' rows (`index` of each per-row
+    input; the shared keys as they are)."""
+    from runtime.model import attention_kernels
+
+    b = args[0].shape[0]
+    picked = (x[index] if x.shape[0] == b else x for x in args[:8])
+    return attention_kernels.attend_rows(*picked, args[8], chunk=chunk)
+
+
 def attention_kernel_check() -> list[dict]:
     """The attention kernel (runtime.model.attention_kernels) against the folded products the
     engine ran before (fixed rows, FIT_TOKENS) on the 4b shapes, BF16: CUDA-graph replays of
@@ -428,12 +443,7 @@ def attention_kernel_check() -> list[dict]:
         valid = mask[:, :, -t:].any(-1)  # a valid token sees itself
         got, before = ours(), folded()
         reverse = torch.arange(b - 1, -1, -1, device="cuda")
-        flipped = attention_kernels.rows_attention(
-            *(x[reverse] if x.shape[0] == b else x for x in args[:8]), args[8]
-        )
-        alone = attention_kernels.rows_attention(
-            *(x[:1] if x.shape[0] == b else x for x in args[:8]), args[8]
-        )
+        flipped, alone = some_rows(args, reverse), some_rows(args, slice(0, 1))
         row = {
             "rows": b, "tokens": t, "shared": p, "past": past,
             "kernel_ms": graph_ms(ours), "folded_ms": graph_ms(folded),
@@ -449,10 +459,7 @@ def attention_kernel_check() -> list[dict]:
             row[f"chunk{chunk}_ms"] = graph_ms(chunked)
             row[f"chunk{chunk}_difference"] = (pieces.float() - exact)[valid].abs().max().item()
             row[f"chunk{chunk}_same_bytes_alone"] = torch.equal(
-                attention_kernels.attend_rows(
-                    *(x[:1] if x.shape[0] == b else x for x in args[:8]), args[8], chunk=chunk
-                ),
-                pieces[:1],
+                some_rows(args, slice(0, 1), chunk), pieces[:1]
             )
         rows.append(row)
         log(f"attention kernel {row}")

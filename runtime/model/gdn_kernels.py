@@ -13,7 +13,7 @@ import torch
 from runtime.model.gdn import L2_EPS  # fla's use_qk_l2norm_in_kernel and the eager l2norm
 from runtime.model.layers import per_row
 
-try:  # Triton exists only beside a CUDA build of torch; the CPU runs the eager cores instead
+try:  # with CUDA builds of torch, and the dev extra (the tests' interpreter); else eager only
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without Triton
