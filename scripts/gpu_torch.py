@@ -13,7 +13,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py waits --tiny   # where the host waits for the device
     python scripts/gpu_torch.py coldstart ENGINES   # (run by cold) one process start to ready
     python scripts/gpu_torch.py parity     # build when missing; float32 parity, then the BF16
-                                           # engine against the same reference (--no-bf16)
+                                           # engine and the BF16 reference against the same
+                                           # float32 answers (--no-bf16 skips both)
     python scripts/gpu_torch.py parts [--emulate-casts]   # two-part joint passes: invariance,
                                            # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
@@ -28,9 +29,10 @@ traced graph again, not inside an op (runtime.model.layers.FLOORS_IN_OP False), 
 comparison, `--folded-attention` the folded products in place of the attention kernel
 (runtime.backends.compiled.ATTENTION_KERNEL False), `--attention-chunk N` the kernel's
 shared keys in chunks of N (runtime.model.attention_kernels.CHUNK_KEYS), `--joint-parts N` N
-parts a joint pass (runtime.passes.JOINT_PARTS); `cold --only-without` runs the start
-without caches alone, `cold --only-with` the start with the caches a previous call left
-(without them first where there are none);
+parts a joint pass (runtime.passes.JOINT_PARTS), `--pdl` / `--no-pdl` Inductor's
+programmatic dependent launch (runtime.backends.compiled.PDL);
+`cold --only-without` runs the start without caches alone, `cold --only-with` the start with
+the caches a previous call left (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
@@ -149,6 +151,7 @@ def environment() -> dict:
         "joint_parts": passes.JOINT_PARTS,
         "attention_kernel": compiled.ATTENTION_KERNEL,
         "attention_chunk": attention_kernels.CHUNK_KEYS,
+        "pdl": compiled.PDL,
     }
     return {"gpu": gpu, "versions": compiled.versions(), **settings}
 
@@ -156,8 +159,9 @@ def environment() -> dict:
 def apply_flags() -> None:
     """`--floors-in-graph`: the row floors' padding in the traced graph, not inside
     runtime.model.layers.floored_linear; `--folded-attention`: the folded products in place of
-    the attention kernel; `--attention-chunk N`: its shared keys in chunks of N; `--joint-parts
-    N`: N parts a joint pass (in this process and the cold-start processes it starts, which
+    the attention kernel; `--attention-chunk N`: its shared keys in chunks of N (0: none);
+    `--joint-parts N`: N parts a joint pass; `--pdl` / `--no-pdl`: Inductor's programmatic
+    dependent launch on or off (in this process and the cold-start processes it starts, which
     get the same flags)."""
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
@@ -175,6 +179,10 @@ def apply_flags() -> None:
         from runtime import passes
 
         passes.JOINT_PARTS = flag_number("--joint-parts")
+    if "--pdl" in sys.argv or "--no-pdl" in sys.argv:
+        from runtime.backends import compiled
+
+        compiled.PDL = "--pdl" in sys.argv
 
 
 def flag_number(flag: str) -> int:
@@ -384,8 +392,8 @@ def option_rows_kernel() -> list[dict]:
 def attention_inputs(b: int, t: int, p: int, past: int) -> tuple:
     """`rows_attention`'s arguments on the 4b's attention shapes (16 query heads, 4 KV heads of
     256), BF16: q and own k, v as `mix` gives them (transposed views), the past one source's
-    broadcast view, every shared and past key visible, the own ones causal over random lengths
-    (the first row full)."""
+    broadcast view, every shared and past key visible (none in the image prefix's shape), the
+    own ones causal over random lengths (the first row full)."""
     import torch
 
     heads, kv_heads, hd = 16, 4, 256
@@ -404,7 +412,8 @@ def attention_inputs(b: int, t: int, p: int, past: int) -> tuple:
     steps = torch.arange(t, device="cuda")
     valid = steps[None] < lengths[:, None]
     own = (steps[None, :, None] >= steps[None, None, :]) & valid[:, None, :]
-    seen = torch.ones(b, t, p + past, dtype=torch.bool, device="cuda")
+    # the image prefix's pass (one shared and one past key) has the empty state's, masked
+    seen = torch.full((b, t, p + past), (p, past) != (1, 1), dtype=torch.bool, device="cuda")
     mask = torch.cat([seen, own], dim=-1)
     return q, shared_k, shared_v, past_k, past_v, k, v, mask, hd**-0.5
 
@@ -440,10 +449,12 @@ def attention_kernel_check() -> list[dict]:
         ours = partial(attention_kernels.rows_attention, *args)
         folded = partial(folded_attention, *args, min_tokens=FIT_TOKENS)
         exact = grouped_attention(*(x.float() for x in args[:7]), mask, args[8])
-        valid = mask[:, :, -t:].any(-1)  # a valid token sees itself
+        valid = mask[:, :, -t:].diagonal(dim1=1, dim2=2)  # a valid token sees itself
         got, before = ours(), folded()
         reverse = torch.arange(b - 1, -1, -1, device="cuda")
-        flipped, alone = some_rows(args, reverse), some_rows(args, slice(0, 1))
+        # the rows of a pass get its chunking (chosen by its row count), alone too
+        chunk = attention_kernels.CHUNK_KEYS if b <= attention_kernels.CHUNK_MAX_ROWS else 0
+        flipped, alone = some_rows(args, reverse, chunk), some_rows(args, slice(0, 1), chunk)
         row = {
             "rows": b, "tokens": t, "shared": p, "past": past,
             "kernel_ms": graph_ms(ours), "folded_ms": graph_ms(folded),
@@ -1077,6 +1088,37 @@ def parity_bfloat16() -> dict:
     return parity_against_float32(Run("bf16"))
 
 
+def parity_reference_bfloat16() -> dict:
+    """The reference itself in BF16 with fla-core (as `reference_latency` runs it) against its
+    float32 answers: how far BF16 alone moves this checkpoint's answers, beside our BF16
+    engine's figure."""
+    import gc
+
+    import torch
+
+    from reference.mso1 import Reference
+    from tools import bench
+
+    recorded = float32_reference()
+    reference = Reference(WORK / f"{PRESET}-export", dtype="bfloat16", device=DEVICE)
+    report = bench.parity(reference, Recorded(recorded), bench.question_sets())
+    log("parity reference bfloat16\n" + bench.parity_table(report))
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"summary": report["summary"], "flips": report["flips"], "backend": "reference"}
+
+
+def float32_reference() -> Path:
+    """The float32 reference's answers, made once in a process without fla-core and kept in
+    WORK."""
+    recorded = WORK / "reference-float32.json"
+    if not recorded.exists():
+        command = [sys.executable, "-u", __file__, "refanswers", str(recorded), *sys.argv[2:]]
+        subprocess.run(command, env=without_fla(), check=True)
+    return recorded
+
+
 def parity_against_float32(run: Run) -> dict:
     """`run`'s engine against the float32 reference's answers (made once, in a process without
     fla-core, and kept in WORK): 80 answers."""
@@ -1086,10 +1128,7 @@ def parity_against_float32(run: Run) -> dict:
 
     from tools import bench
 
-    recorded = WORK / "reference-float32.json"
-    if not recorded.exists():
-        command = [sys.executable, "-u", __file__, "refanswers", str(recorded), *sys.argv[2:]]
-        subprocess.run(command, env=without_fla(), check=True)
+    recorded = float32_reference()
     executor = executor_for(run)
     report = bench.parity(executor, Recorded(recorded), bench.question_sets())
     log(f"parity {run.dtype}\n" + bench.parity_table(report))
@@ -1430,13 +1469,16 @@ def parts_session() -> None:
 
 def parity_session() -> None:
     """Float32 parity alone, on a cold machine too (the export is built first when missing),
-    then the BF16 engine against the same reference unless `--no-bf16`."""
+    then, unless `--no-bf16`, the BF16 engine and the reference in BF16 against the same
+    float32 answers."""
     report = {"environment": environment()}
     attempt(report, "build", build)
     attempt(report, "parity_float32", parity_float32)
     save("parity.json", report)
     if "--no-bf16" not in sys.argv:
         attempt(report, "parity_bfloat16", parity_bfloat16)
+        save("parity.json", report)
+        attempt(report, "parity_reference_bfloat16", parity_reference_bfloat16)
         save("parity.json", report)
     summarise(report)
 
@@ -1564,7 +1606,7 @@ def summarise(report: dict) -> None:
         reference = reference if isinstance(reference, list) else None
         summary += ["whole request", latency_table(report["requests"], reference)]
     keys = ("attention_kernel", "crossover", "invariance", "peak_memory", "cold_start")
-    for key in (*keys, "parity_float32", "parity_bfloat16"):
+    for key in (*keys, "parity_float32", "parity_bfloat16", "parity_reference_bfloat16"):
         if key in report:
             summary.append(f"{key}: {json.dumps(report[key], default=str)[:1500]}")
     save("summary.md", "\n\n".join(summary))

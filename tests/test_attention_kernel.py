@@ -1,5 +1,6 @@
 """The torch backend's attention kernel (runtime.model.attention_kernels), in one program or in
-chunks of the shared keys, against the eager grouped attention, and a row's bytes alone,
+chunks of the shared keys, and the image prefix's pass by fused attention, against the eager
+grouped attention, and a row's bytes alone,
 among others and reversed; run by Triton's interpreter on the CPU in float32 (Triton is a dev
 dependency; its interpreter's BF16 dots are not exact: scripts/gpu_torch.py checks BF16 on the
 H200), skipped where Triton is missing."""
@@ -42,13 +43,16 @@ KERNEL_CHECK = textwrap.dedent(
         seen = torch.cat([torch.rand(1, p) > 0.2, torch.zeros(1, past, dtype=torch.bool)], -1)
         seen = seen.expand(b, -1).clone()
         seen[:, p:] = torch.rand(b, past) > 0.3
+        if p == past == 1:  # the image prefix's pass: the empty state's masked keys
+            seen[:] = False
         mask = torch.cat([seen[:, None].expand(-1, t, -1), own], dim=-1)
         args = (q, shared_k, shared_v, past_k, past_v, k, v, mask)
         expected = grouped_attention(*args, 0.3)
-        for chunk in (0, 4, 16):  # one program for every key; the shared keys in chunks
+        for chunk in (0, 4, 16, None):  # one program for every key; chunks; the default
             attend = partial(attend_rows, chunk=chunk)
             got = attend(*args, 0.3)
-            worst = max(worst, float((got - expected).abs().max()))
+            # over valid tokens: a padding token's output is never read
+            worst = max(worst, float((got - expected)[valid].abs().max()))
             alone = attend(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
             assert torch.equal(alone, got[:1]), "a row alone differs"
             back = torch.arange(b - 1, -1, -1)
@@ -81,3 +85,13 @@ def test_the_query_tile_follows_the_length_bucket_only():
     assert query_tile(4, 2) == DOT_MIN and query_tile(4, 8) == 32
     assert query_tile(4, 16) == query_tile(4, 640) == BLOCK_ROWS
     assert {query_tile(4, t) for t in (1, 2, 4, 8, 16, 24, 32, 640)} <= set(TILES)
+
+
+def test_chunked_passes_hold_no_more_rows_than_fitted_passes_give_a_row():
+    """The chunks are chosen by the pass's rows: every pass a row may share with other
+    questions' rows holds at most CHUNK_MAX_ROWS, so its chunking is its own."""
+    from runtime import passes
+    from runtime.model.attention_kernels import CHUNK_MAX_ROWS
+
+    shared = [passes.QUESTION_ROWS, *(rows for _, rows, _ in passes.OPTION_FAMILIES)]
+    assert max(shared) <= CHUNK_MAX_ROWS < passes.ALONE_ROWS

@@ -75,3 +75,36 @@ def test_median_ms_times_runs_after_warm_calls():
     calls = []
     assert median_ms(lambda: calls.append(1), runs=5, warm=2) >= 0.0
     assert len(calls) == 7
+
+
+def test_trace_stages_splits_kernels_at_syncs_and_shows_the_host_gap(tmp_path):
+    """scripts/trace_stages.py on a written Chrome trace: kernels go to the stage whose sync
+    ended after them, and a long gap (the host launching late) is named."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "trace_stages.py"
+    spec = importlib.util.spec_from_file_location("trace_stages", path)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+
+    def kernel(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        kernel("a", 0, 10), kernel("b", 10.4, 10),
+        {"ph": "X", "name": "cudaDeviceSynchronize", "ts": 15, "dur": 10},
+        kernel("c", 30, 5), kernel("late", 535, 5), kernel("d", 540.4, 5),
+        {"ph": "X", "name": "cudaDeviceSynchronize", "ts": 540, "dur": 10},
+    ]  # fmt: skip
+    trace = tmp_path / "trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    split = stages.stage_kernels(stages.load(str(trace)), ["vision", "options"])
+    assert [(s, [k["name"] for k in ks]) for s, ks in split] == [
+        ("vision", ["a", "b"]), ("options", ["c", "late", "d"]),
+    ]  # fmt: skip
+    text = "\n".join(stages.describe(*split[1]))
+    assert "idle 0.50 ms" in text and "gap   0.500 ms before late" in text
+    assert "gap" not in "\n".join(stages.describe(*split[0])).split("\n", 1)[1]

@@ -98,6 +98,14 @@ ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a mult
 # fixed-row padding; off (False) gives the folded form back, for comparison
 ATTENTION_KERNEL = True
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
+# Inductor's kernels launched with programmatic dependent launch (Hopper and later): a kernel's
+# launch overlaps the end of the one before, which waits only where it reads that one's
+# output. The joint passes are ~1,300 kernels of a few microseconds each, and the gaps
+# between them looked like 2.5-3.8 ms a pass on the H200 (h200-2026-12-03b traces). Scheduling
+# only: the same bytes. Off: it gave nothing (4b, BF16, GPU stages 24.6 → 24.8 ms for 1
+# question, 37.5 → 38.0 for 12; docs/measurements/h200-2026-12-03d): those gaps were the stage
+# clock's host waits, and within a graph the kernels ran 0.4 µs apart (median)
+PDL = False
 
 
 def versions() -> dict[str, str | None]:
@@ -621,7 +629,8 @@ def invariant_compilation() -> list[str]:
       kernels of its own, each time they later differed;
     - Inductor's batch-invariant or deterministic mode: a reduction's configuration (how
       many threads sum a row, which sets the order of its sums) is not picked by timing, so
-      two graphs, or two processes, do not sum a norm's row differently."""
+      two graphs, or two processes, do not sum a norm's row differently.
+    And, with PDL, Inductor's kernels launched early (scheduling only, the same bytes)."""
     import torch._inductor.config as inductor
     import torch.fx.experimental._config as shapes
 
@@ -634,6 +643,9 @@ def invariant_compilation() -> list[str]:
             setattr(inductor, name, True)
             modes.append(name)
             break
+    if PDL and hasattr(inductor.triton, "enable_pdl"):
+        inductor.triton.enable_pdl = True
+        modes.append("pdl")
     log.info("compiled with %s", ", ".join(modes) or "no invariance settings")
     return modes
 

@@ -1,5 +1,6 @@
 """The torch backend's attention on CUDA in half precision: one Triton kernel a layer reading
-the image prefix's keys, each row's past and its own keys in place, as a PyTorch custom op.
+the image prefix's keys, each row's past and its own keys in place, as a PyTorch custom op; the
+image prefix's own pass by PyTorch's fused causal attention.
 
 Follows `runtime.model.language.grouped_attention` (model.md §2: GQA, one softmax over the
 prefix, past and own keys, masked keys out), written as an online softmax in float32.
@@ -8,6 +9,7 @@ prefix, past and own keys, masked keys out), written as an online softmax in flo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from runtime.model.layers import MASKED
 
@@ -28,12 +30,24 @@ DOT_MIN = 16  # tl.dot's smallest tile side
 # on 4 warps 64). Fixed, not tuned: the keys per step set the order of the softmax's sums
 TILES = {16: (32, 4), 32: (32, 8), 64: (16, 8)}
 STAGES = 2  # K and V loads one step ahead
-# Shared keys a program with CHUNK_KEYS (0: one program walks every key). A one-question
-# pass has 8-16 programs a layer, each walking the 640 prefix keys in 20-40 steps: 74 µs a call
-# on the H200 (h200-2026-12-03c, call 2 trace), where the chunks' programs would walk 8 steps
-# each and a second kernel merges them. The chunks follow the prefix's length alone, so a row's
-# bytes still do not follow the others; not yet timed on the H200, so off
-CHUNK_KEYS = 0
+# Shared keys a program (0: one program walks every key). A one-question pass has 8-16
+# programs a layer, each walking the 640 prefix keys in 20-40 steps; in chunks of 128 each
+# walks 8 and a second kernel merges them. Alone on the H200 (4b shapes, BF16, CUDA-graph
+# replays, ms): 2 × 16 rows 0.089 → 0.031, 16 × 16 0.090 → 0.073, options 4 × 8 0.059 → 0.019,
+# 8 × 24 0.085 → 0.063, but 256 × 8 0.453 → 0.589 (docs/measurements/h200-2026-12-03d). The
+# chunks follow the prefix's length alone, so a row's bytes do not follow the others
+CHUNK_KEYS = 128
+# passes of more rows walk every key in one program. Invariance needs the choice to be a
+# function of the row's own question: fitted passes give a row 2-64 rows whatever else was
+# asked (runtime.passes: question parts 16 at most, option families 32 and 64), and only a
+# question with more options than the joining family runs in a larger pass, alone
+# (runtime.passes.ALONE_ROWS), whose rows follow its own option count
+CHUNK_MAX_ROWS = 64
+# The image prefix's pass is the only one whose shared and past keys are one key each: the
+# empty state's, masked (runtime.executor.empty_state). Its attention is then causal over its
+# own keys (right padding: a valid token sees no padding), which PyTorch's fused attention
+# does at once; the kernel's 160 programs walked 640 keys each, 0.095 ms a layer (4b, H200)
+PREFIX_KEYS = 1
 
 if triton is not None:
     # a jitted function reads only constexpr globals
@@ -184,7 +198,8 @@ def rows_attention(
     (the image prefix), each row's past [B, KVH, Q, hd] (a broadcast view where the rows share
     one) and their own k, v [B, KVH, T, hd], all read in place (any strides but a unit last
     one); `mask` [B, T, P + Q + T] is true where a key is visible, and a token sees none of its
-    row's later tokens. Returns [B, T, H·hd] in v's dtype."""
+    row's later tokens; where P and Q are both PREFIX_KEYS (the image prefix's pass) those keys
+    are the empty state's, masked. Returns [B, T, H·hd] in v's dtype."""
     return attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale)
 
 
@@ -206,16 +221,29 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def prefix_attention(q, k, v, scale: float) -> torch.Tensor:
+    """The image prefix's attention: each token over its own row's keys up to itself, by
+    PyTorch's fused attention (its shared and past keys are the empty state's, masked)."""
+    b, heads, t, hd = q.shape
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(b, t, heads * hd).to(v.dtype)
+
+
 def attend_rows(
     q, shared_k, shared_v, past_k, past_v, k, v, mask, scale, chunk: int | None = None
 ) -> torch.Tensor:
-    """`rows_attention`'s launch (the op's body, also called by scripts/gpu_torch.py); `chunk`
-    shared keys a program (CHUNK_KEYS where None, 0: one program for every key)."""
-    if triton is None:
-        raise RuntimeError("the attention kernel needs triton")
-    chunk = CHUNK_KEYS if chunk is None else chunk
+    """`rows_attention`'s launch (the op's body, also called by scripts/gpu_torch.py): the
+    image prefix's pass by `prefix_attention`, others by the kernel with `chunk` shared keys a
+    program (where None, CHUNK_KEYS for passes of at most CHUNK_MAX_ROWS rows; 0: one program
+    for every key)."""
     b, heads, t, hd = q.shape
     kv_heads, p, past = k.shape[1], shared_k.shape[2], past_k.shape[2]
+    if p == past == PREFIX_KEYS:
+        return prefix_attention(q, k, v, scale)
+    if triton is None:
+        raise RuntimeError("the attention kernel needs triton")
+    if chunk is None:
+        chunk = CHUNK_KEYS if b <= CHUNK_MAX_ROWS else 0
     if hd & (hd - 1) or heads % kv_heads or shared_k.shape[0] != 1:
         raise ValueError(f"attention kernel: head dim {hd}, heads {heads}/{kv_heads}")
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
