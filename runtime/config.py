@@ -34,6 +34,8 @@ class RuntimeConfig:
     # on CUDA, where they keep a row's bytes and agree with the host (Heads.use_device)
     joint_passes: bool | None = None  # each option pass and its questions' rows as one pass;
     # None: where the engine has joint passes and keeps a row's bytes in them (the torch backend)
+    early_heads: bool | None = None  # the heads of questions whose joint passes are done run
+    # while the later passes execute; None: on CUDA
     share_weights: bool = True  # ONNX Runtime sessions share one copy of the weights
     ort_threads: int = 0  # ONNX Runtime intra-op threads; 0: its default (one on CUDA)
     plugin_library: str | None = None  # the TensorRT readout plugin; None: plugins/build/
@@ -115,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("fit-rows", "passes sized to the request (default: where the engine keeps bytes)"),
         ("device-heads", "the heads' large products on the GPU (default: on CUDA)"),
         ("joint-passes", "option rows in one pass with their questions (default: where kept)"),
+        ("early-heads", "heads of finished questions beside later passes (default: on CUDA)"),
         ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
     ):
         group.add_argument(

@@ -281,11 +281,16 @@ class Executor:
                 clock.lap("prefix")
             asked: list[tuple[QuestionPass, dict]] = []
             answered: list[tuple[OptionPass, dict]] = []
+            early = self.early_heads_on(work)
+            landed: list[tuple] = []  # each joint pass's readouts on their way to the host
             for jp in work.joint:
                 out, parts_out = self.run_joint(jp, prefix, prefix_state)
                 asked.append((jp.question, out))
                 answered.extend(zip(jp.parts, parts_out, strict=True))
+                if early and len(landed) < len(work.joint) - 1:  # the last: read below
+                    landed.append(self.copy_back([out, *parts_out]))
                 clock.lap("options")
+            mus = self.early_mus(prepared, work, landed) if early else {}
             for pi, qp in enumerate(work.questions):
                 out, state = self.run_question(qp, prefix, prefix_state)
                 asked.append((qp, out))
@@ -311,7 +316,81 @@ class Executor:
                 for pair, indices in op.text_reads.items():
                     picked[pair] = logprobs[indices].astype(np.float32)
             clock.lap("readouts")
-        return collect(prepared, zq, u, picked, first)
+        readouts = collect(prepared, zq, u, picked, first)
+        for qi, mu in mus.items():
+            readouts[qi].mu = mu
+        return readouts
+
+    def early_heads_on(self, work: Plan) -> bool:
+        """Whether the heads of the questions a joint pass finishes run while the later joint
+        passes execute: on CUDA by default, where there are two or more and no other pass
+        (which would wait to be enqueued until those heads were done)."""
+        wanted = self.config.on(self.config.early_heads, self.device.type == "cuda")
+        return wanted and len(work.joint) > 1 and not work.questions
+
+    def copy_back(self, outputs: list[dict[str, torch.Tensor]]) -> tuple:
+        """A pass's readouts copied to the host behind it in the stream, and the event that
+        says they are there: (event or None, [(hidden, logprobs) per output])."""
+        if self.device.type != "cuda":
+            return None, [(o["hidden"].float(), o["logprobs"].float()) for o in outputs]
+        copies = []
+        for o in outputs:
+            pair = []
+            for name in ("hidden", "logprobs"):
+                tensor = o[name].float()
+                pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                pair.append(pinned.copy_(tensor, non_blocking=True))
+            copies.append(tuple(pair))
+        event = torch.cuda.Event()
+        event.record()
+        return event, copies
+
+    def early_mus(
+        self, prepared: Prepared, work: Plan, landed: list[tuple]
+    ) -> dict[int, np.ndarray]:
+        """The heads' outputs of every question whose readouts all come from joint passes
+        before the last, each group made as soon as its last pass is on the host, while the
+        passes after it run; the same bytes as with every question at once (the heads keep a
+        row's bytes whatever the rows beside it: `Heads.stackable`, `DeviceMLPs.usable`). A
+        group the heads refuse is left to `respond`, which raises the refusals in order."""
+        from runtime.errors import ExecutionError
+        from runtime.heads import questions_mu
+
+        last: dict[int, int] = {}  # question -> the last joint pass with a readout of it
+        for k, jp in enumerate(work.joint):
+            keys = [*jp.question.zq_read, *(qi for qi, _ in jp.question.first_read)]
+            for op in jp.parts:
+                keys += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
+            last.update(dict.fromkeys(keys, k))
+        zq: dict[int, np.ndarray] = {}
+        first: dict[tuple[int, int], float] = {}
+        u: dict[tuple[int, int], np.ndarray] = {}
+        picked: dict[tuple[int, int], np.ndarray] = {}
+        mus: dict[int, np.ndarray] = {}
+        for k, (jp, (event, copies)) in enumerate(zip(work.joint[:-1], landed, strict=True)):
+            if event is not None:
+                event.synchronize()
+            (hidden, logprobs), *parts = [(h.numpy(), p.numpy()) for h, p in copies]
+            for qi, index in jp.question.zq_read.items():
+                zq[qi] = hidden[index]
+            for pair, index in jp.question.first_read.items():
+                first[pair] = float(logprobs[index])
+            for op, (hidden, logprobs) in zip(jp.parts, parts, strict=True):
+                for pair, index in op.u_read.items():
+                    u[pair] = hidden[index]
+                for pair, indices in op.text_reads.items():
+                    picked[pair] = logprobs[indices].astype(np.float32)
+            ready = [qi for qi, at in sorted(last.items()) if at == k]
+            if not ready:
+                continue
+            readouts = collect(prepared, zq, u, picked, first, ready)
+            kinds = [prepared.questions[qi].type for qi in ready]
+            items = list(zip(kinds, readouts, strict=True))
+            try:
+                mus.update(zip(ready, questions_mu(self.heads, items), strict=True))
+            except ExecutionError:
+                continue
+        return mus
 
     # -- passes -------------------------------------------------------------------------
 
@@ -729,10 +808,12 @@ def collect(
     u: dict[tuple[int, int], np.ndarray],
     picked: dict[tuple[int, int], np.ndarray],
     first: dict[tuple[int, int], float],
+    which: list[int] | None = None,
 ) -> list[QuestionReadout]:
+    """The readouts of the questions `which` (every question where None), in that order."""
     readouts = []
-    for qi, layout in enumerate(prepared.layouts):
-        k = len(layout.rows)
+    for qi in range(len(prepared.layouts)) if which is None else which:
+        k = len(prepared.layouts[qi].rows)
         readouts.append(
             QuestionReadout(
                 zq=zq[qi].astype(np.float32),

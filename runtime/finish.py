@@ -281,7 +281,12 @@ def answer_questions(
     (`questions_mu`): the same answers, faster for many questions."""
     calibration.validate()
     items = [(q.type, r) for q, r in zip(questions, readouts, strict=True)]
-    mus = questions_mu(heads, items, ordinal=ordinal, lm_feats=lm_feats)
+    mus = [r.mu for r in readouts]  # made early where the executor could (Executor.readouts)
+    late = [i for i, mu in enumerate(mus) if mu is None]
+    if late:
+        made = questions_mu(heads, [items[i] for i in late], ordinal=ordinal, lm_feats=lm_feats)
+        for i, mu in zip(late, made, strict=True):
+            mus[i] = mu
     return [
         finish_answer(q.type, q.keys, mu, calibration, latency_s, latency_total_s)
         for q, mu in zip(questions, mus, strict=True)

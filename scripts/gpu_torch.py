@@ -667,8 +667,13 @@ def prepared_workloads(executor) -> dict:
 
 
 def gpu_stages(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
-    """Prepared inputs to readouts on the host: vision, prefix, questions, options, readouts."""
+    """Prepared inputs to readouts on the host: vision, prefix, questions, options, readouts
+    (no heads: early heads off)."""
+    with settings(executor, early_heads=False):
+        return stage_times(executor, workloads, runs)
 
+
+def stage_times(executor, workloads: dict, runs: int) -> list[dict]:
     from tools.bench import quantile
 
     rows = []
@@ -791,19 +796,24 @@ def option_rows_sweep(executor, workloads: dict) -> list[dict]:
 
 
 def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
-    """Request JSON to response (host stages included), the executor's own stage clock."""
+    """Request JSON to response (host stages included), the executor's own stage clock; then
+    again with early heads off (every question's heads after the last pass), for comparison."""
     from tools import bench
 
     rows = []
     for name, (body, _) in workloads.items():
         times = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
+        stages = {k: round(1e3 * v, 2) for k, v in executor.stages.items()}
+        with settings(executor, early_heads=False):  # every question's heads after the passes
+            late = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
         rows.append(
             {
                 "workload": name,
                 "median_ms": 1e3 * statistics.median(times),
                 "p90_ms": 1e3 * bench.quantile(times, 0.9),
                 "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
-                "stages_ms": {k: round(1e3 * v, 2) for k, v in executor.stages.items()},
+                "stages_ms": stages,
+                "early_heads_off_median_ms": 1e3 * statistics.median(late),
             }
         )
         log(f"request {rows[-1]}")
@@ -1301,6 +1311,10 @@ def latency_table(rows: list[dict], reference: list[dict] | None = None) -> str:
             f"| {r['workload']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {target} | "
             f"{theirs} | {cells} |"
         )
+    late = [r for r in rows if "early_heads_off_median_ms" in r]
+    if late:  # whole requests: the same with every question's heads after the last pass
+        off = ", ".join(f"{r['workload']} {r['early_heads_off_median_ms']:.1f}" for r in late)
+        lines.append(f"\nearly heads off, median ms: {off}")
     return "\n".join(lines)
 
 

@@ -102,6 +102,37 @@ def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
         assert json.dumps(backwards[qid]) == json.dumps(together[qid]), qid
 
 
+def test_early_heads_give_the_answers_of_heads_after_every_pass(executor):
+    """With two or more joint passes, the questions the earlier passes finish get their heads
+    while the later passes run (`early_heads`): the same answer bytes as every question's heads
+    after the last pass, and only the last pass's questions left for `respond`."""
+    executor.prefix_cache.entries.clear()
+    executor.prefix_cache.size = 0
+    questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
+    body = request_body(pattern_png(320, 224), questions, "image/png")
+    prepared = executor.prepare(json.loads(body))
+    work = prepared.planned[1]
+    assert len(work.joint) > 2
+    kept = executor.config
+    try:
+        executor.config = kept.with_(early_heads=True)
+        early = [r.mu is not None for r in executor.readouts(prepared)]
+        on = without_latency(executor.answer(body))
+        executor.config = kept.with_(early_heads=False)
+        assert not any(r.mu is not None for r in executor.readouts(prepared))
+        off = without_latency(executor.answer(body))
+    finally:
+        executor.config = kept
+    last = work.joint[-1]
+    reads = [*last.question.zq_read, *(qi for qi, _ in last.question.first_read)]
+    for op in last.parts:
+        reads += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
+    finished_last = set(reads)
+    assert early == [qi not in finished_last for qi in range(len(questions))]
+    assert any(early) and not all(early)
+    assert json.dumps(on) == json.dumps(off)
+
+
 @pytest.mark.parametrize("parts", [1, 2])
 def test_joint_passes_give_the_readouts_of_separate_passes(executor, parts, monkeypatch):
     """A question pass and its option passes run as joint passes (one product per layer over
