@@ -302,19 +302,11 @@ class Executor:
             zq: dict[int, np.ndarray] = {}
             first: dict[tuple[int, int], float] = {}
             for qp, out in asked:
-                hidden, logprobs = host(out["hidden"]), host(out["logprobs"])
-                for qi, index in qp.zq_read.items():
-                    zq[qi] = hidden[index]
-                for pair, index in qp.first_read.items():
-                    first[pair] = float(logprobs[index])
+                take_question(qp, host(out["hidden"]), host(out["logprobs"]), zq, first)
             u: dict[tuple[int, int], np.ndarray] = {}
             picked: dict[tuple[int, int], np.ndarray] = {}
             for op, out in answered:
-                hidden, logprobs = host(out["hidden"]), host(out["logprobs"])
-                for pair, index in op.u_read.items():
-                    u[pair] = hidden[index]
-                for pair, indices in op.text_reads.items():
-                    picked[pair] = logprobs[indices].astype(np.float32)
+                take_options(op, host(out["hidden"]), host(out["logprobs"]), u, picked)
             clock.lap("readouts")
         readouts = collect(prepared, zq, u, picked, first)
         for qi, mu in mus.items():
@@ -371,15 +363,9 @@ class Executor:
             if event is not None:
                 event.synchronize()
             (hidden, logprobs), *parts = [(h.numpy(), p.numpy()) for h, p in copies]
-            for qi, index in jp.question.zq_read.items():
-                zq[qi] = hidden[index]
-            for pair, index in jp.question.first_read.items():
-                first[pair] = float(logprobs[index])
+            take_question(jp.question, hidden, logprobs, zq, first)
             for op, (hidden, logprobs) in zip(jp.parts, parts, strict=True):
-                for pair, index in op.u_read.items():
-                    u[pair] = hidden[index]
-                for pair, indices in op.text_reads.items():
-                    picked[pair] = logprobs[indices].astype(np.float32)
+                take_options(op, hidden, logprobs, u, picked)
             ready = [qi for qi, at in sorted(last.items()) if at == k]
             if not ready:
                 continue
@@ -800,6 +786,27 @@ def upload_ints(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str
 
 def host(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().numpy()
+
+
+def take_question(
+    qp: QuestionPass, hidden: np.ndarray, logprobs: np.ndarray, zq: dict, first: dict
+) -> None:
+    """A question pass's readouts on the host into `zq` (by question) and `first` (by question
+    and option)."""
+    for qi, index in qp.zq_read.items():
+        zq[qi] = hidden[index]
+    for pair, index in qp.first_read.items():
+        first[pair] = float(logprobs[index])
+
+
+def take_options(
+    op: OptionPass, hidden: np.ndarray, logprobs: np.ndarray, u: dict, picked: dict
+) -> None:
+    """An option pass's readouts on the host into `u` and `picked` (by question and option)."""
+    for pair, index in op.u_read.items():
+        u[pair] = hidden[index]
+    for pair, indices in op.text_reads.items():
+        picked[pair] = logprobs[indices].astype(np.float32)
 
 
 def collect(
