@@ -35,6 +35,8 @@ from runtime.passes import (
     Plan,
     QuestionPass,
     bucket,
+    early_heads_fit,
+    finished_by_joint,
     plan,
 )
 from runtime.types import Prepared, PreparedImage, QuestionReadout
@@ -315,10 +317,9 @@ class Executor:
 
     def early_heads_on(self, work: Plan) -> bool:
         """Whether the heads of the questions a joint pass finishes run while the later joint
-        passes execute: on CUDA by default, where there are two or more and no other pass
-        (which would wait to be enqueued until those heads were done)."""
+        passes execute: on CUDA by default, where the plan lets them (`early_heads_fit`)."""
         wanted = self.config.on(self.config.early_heads, self.device.type == "cuda")
-        return wanted and len(work.joint) > 1 and not work.questions
+        return wanted and early_heads_fit(work)
 
     def copy_back(self, outputs: list[dict[str, torch.Tensor]]) -> tuple:
         """A pass's readouts copied to the host behind it in the stream, and the event that
@@ -348,25 +349,19 @@ class Executor:
         from runtime.errors import ExecutionError
         from runtime.heads import questions_mu
 
-        last: dict[int, int] = {}  # question -> the last joint pass with a readout of it
-        for k, jp in enumerate(work.joint):
-            keys = [*jp.question.zq_read, *(qi for qi, _ in jp.question.first_read)]
-            for op in jp.parts:
-                keys += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
-            last.update(dict.fromkeys(keys, k))
+        finished = finished_by_joint(work)
         zq: dict[int, np.ndarray] = {}
         first: dict[tuple[int, int], float] = {}
         u: dict[tuple[int, int], np.ndarray] = {}
         picked: dict[tuple[int, int], np.ndarray] = {}
         mus: dict[int, np.ndarray] = {}
-        for k, (jp, (event, copies)) in enumerate(zip(work.joint[:-1], landed, strict=True)):
+        for jp, (event, copies), ready in zip(work.joint[:-1], landed, finished, strict=True):
             if event is not None:
                 event.synchronize()
             (hidden, logprobs), *parts = [(h.numpy(), p.numpy()) for h, p in copies]
             take_question(jp.question, hidden, logprobs, zq, first)
             for op, (hidden, logprobs) in zip(jp.parts, parts, strict=True):
                 take_options(op, hidden, logprobs, u, picked)
-            ready = [qi for qi, at in sorted(last.items()) if at == k]
             if not ready:
                 continue
             readouts = collect(prepared, zq, u, picked, first, ready)

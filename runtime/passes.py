@@ -522,3 +522,24 @@ def plan_alone(
     theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY)
     every_slot = sum(int(np.prod(op.rows.shape)) for op in theirs) + QUESTION_TOKENS  # no bound
     return plan_joint(prepared, spans, mine, theirs, question_rows, True, every_slot, parts)
+
+
+def early_heads_fit(work: Plan) -> bool:
+    """Whether a plan's heads can start before its last pass: two or more joint passes and no
+    other pass (which would wait to be enqueued until those heads were done)."""
+    return len(work.joint) > 1 and not work.questions
+
+
+def finished_by_joint(work: Plan) -> list[list[int]]:
+    """For each joint pass but the last, the questions it finishes (in order): those whose
+    every readout (the text's hidden state and first log-probabilities, each option's hidden
+    state and text) comes from it or an earlier joint pass. Their heads need nothing from the
+    passes after it (`Executor.early_mus`)."""
+    last: dict[int, int] = {}  # question -> the last joint pass with a readout of it
+    for k, jp in enumerate(work.joint):
+        keys = [*jp.question.zq_read, *(qi for qi, _ in jp.question.first_read)]
+        for op in jp.parts:
+            keys += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
+        last.update(dict.fromkeys(keys, k))
+    early = range(len(work.joint) - 1)
+    return [[qi for qi, at in sorted(last.items()) if at == k] for k in early]

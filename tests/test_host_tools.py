@@ -69,6 +69,44 @@ def test_host_profile_times_every_stage():
     assert "| host total | 1.00 |" in hostprofile.table({"PNG": row})
 
 
+def test_host_profile_makes_early_heads_as_the_executor_does():
+    """The early-heads total (`early`): the torch backend's plan, the heads of the questions
+    every joint pass but the last finishes made before the clock resumes, and their mu the
+    same bytes as those of every question's heads at once."""
+    from reference.questions import speed_bench_questions
+    from runtime.contract import compile_request
+    from runtime.finish import Calibration
+    from runtime.heads import questions_mu
+    from runtime.processing import prepare
+    from runtime.strict_json import parse_body
+    from runtime.tokenizer import load_tokenizer
+    from tools.bench import body, encode, pattern_image
+
+    request = body(encode(pattern_image(96, 64), "PNG"), "image/png", speed_bench_questions(12))
+    heads, tokenizer = hostprofile.synthetic_heads(hidden=64), load_tokenizer(None)
+    prepared = prepare(compile_request(parse_body(request)), tokenizer)
+    work = hostprofile.gpu_plan(prepared)
+    assert len(work.joint) == 2 and not work.questions  # the bench's 12: options of 8 and 24
+    readouts = hostprofile.synthetic_readouts(prepared, heads.hidden)
+    assert hostprofile.early_heads(prepared, work, heads, readouts) > 0
+    early = [qi for qi, r in enumerate(readouts) if r.mu is not None]
+    last = work.joint[-1]
+    late = {*last.question.zq_read, *(qi for qi, _ in last.question.first_read)}
+    late |= {qi for op in last.parts for qi, _ in (*op.u_read, *op.text_reads)}
+    assert early == [qi for qi in range(12) if qi not in late] and 0 < len(early) < 12
+    fresh = hostprofile.synthetic_readouts(prepared, heads.hidden)
+    together = questions_mu(
+        heads, [(q.type, r) for q, r in zip(prepared.questions, fresh, strict=True)]
+    )
+    assert all(readouts[qi].mu.tobytes() == together[qi].tobytes() for qi in early)
+    seconds: list[float] = []
+    device = hostprofile.device_for("cpu")
+    total = hostprofile.total_once(
+        request, tokenizer, heads, Calibration.v11(), device, False, seconds
+    )
+    assert 0 < total < 10 and len(seconds) == 1 and seconds[0] > 0
+
+
 def test_median_ms_times_runs_after_warm_calls():
     from tools.bench import median_ms
 

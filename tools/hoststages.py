@@ -41,6 +41,13 @@ HOST_TOTAL = "host total"
 HOST_TOTAL_DEVICE = "host total, resize + patches on device"
 # the executor's other way to the vision input (runtime.images.device_pixel_values): not summed
 DEVICE_UPLOAD = "upload uint8 + device patches"
+# the executor's default on CUDA (RuntimeConfig.early_heads): the torch backend's plan (fitted,
+# joint passes), and where it has two or more joint passes, the heads of the questions each but
+# the last finishes made while the later passes run (Executor.early_mus): not on the request's
+# path, so timed on their own (EARLY_HEADS), and the rest after the last readouts. The image
+# goes the executor's way: resize and patches on the device, on the host for a CPU upload
+HOST_TOTAL_EARLY = "host total, early heads"
+EARLY_HEADS = "early heads, beside the later passes"
 
 
 # what the stages and the end-to-end total are timed with: wall time, or (use_cpu_time) the
@@ -232,9 +239,19 @@ def profile_once(body: bytes, tokenizer, heads, calibration, device, times: dict
     clock.lap("response JSON")
 
 
-def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = True) -> float:
+def total_once(
+    body: bytes,
+    tokenizer,
+    heads,
+    calibration,
+    device,
+    pack: bool = True,
+    early: list[float] | None = None,
+) -> float:
     """The same path end to end with the runtime's own entry points (prepare, plan, respond);
-    `pack` False resizes and makes the patches on the device from the uploaded uint8 image."""
+    `pack` False resizes and makes the patches on the device from the uploaded uint8 image;
+    `early` (a list) plans as the torch backend does and makes the early heads before the
+    clock resumes, their seconds appended to it (HOST_TOTAL_EARLY)."""
     from runtime import finish
     from runtime.contract import compile_request
     from runtime.finish import answer_question
@@ -245,7 +262,7 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
     # the plan made while the image decodes, as Executor.prepare makes it, where prepare can
     # (asked before the clock starts: not part of a request's time)
     accepted = inspect.signature(prepare).parameters
-    planner = {"planner": plan} if "planner" in accepted else {}
+    planner = {"planner": plan if early is None else gpu_plan} if "planner" in accepted else {}
     unpacked = dict(planner)
     if device.type == "cuda" and "allocate" in accepted:  # a PNG decoded into pinned memory
         from runtime.executor import pinned_uint8
@@ -261,6 +278,8 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
     upload(prepared, work, device)
     between = TIMERS["total"]()
     readouts = synthetic_readouts(prepared, heads.hidden)
+    if early is not None:
+        early.append(early_heads(prepared, work, heads, readouts))
     resumed = TIMERS["total"]()
     questions = prepared.questions
     if hasattr(finish, "answer_questions"):  # as Executor.respond can call it
@@ -272,6 +291,37 @@ def total_once(body: bytes, tokenizer, heads, calibration, device, pack: bool = 
     response = {"model": "m", "answers": answers, "usage": {"input_tokens": 0}}
     json.dumps(response, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     return TIMERS["total"]() - resumed + between - started
+
+
+def gpu_plan(prepared):
+    """The plan of the torch backend on a GPU (Executor.plan_of there): fitted passes, the
+    questions in joint passes of up to its measured token slots."""
+    from runtime.backends.compiled import JOINT_TOKENS
+    from runtime.passes import QUESTION_ROWS, plan
+
+    return plan(prepared, QUESTION_ROWS, fit=True, joint=True, joint_tokens=JOINT_TOKENS)
+
+
+def early_heads(prepared, work, heads, readouts: list) -> float:
+    """Executor.early_mus on the synthetic readouts: each joint pass's finished questions
+    through the heads as a group, their mu kept in the readouts; the seconds it took."""
+    from runtime.heads import questions_mu
+    from runtime.passes import early_heads_fit, finished_by_joint
+
+    started = TIMERS["total"]()
+    if early_heads_fit(work):
+        for ready in filter(None, finished_by_joint(work)):
+            items = [(prepared.questions[qi].type, readouts[qi]) for qi in ready]
+            for qi, mu in zip(ready, questions_mu(heads, items), strict=True):
+                readouts[qi].mu = mu
+    return TIMERS["total"]() - started
+
+
+def has_early_heads() -> bool:
+    """Whether this runtime makes early heads (`runtime.passes.finished_by_joint`)."""
+    from runtime import passes
+
+    return hasattr(passes, "finished_by_joint")
 
 
 def can_unpack() -> bool:
@@ -301,7 +351,7 @@ def profile(
     for name, request in requests.items():
         times: dict[str, list[float]] = {}
         totals = []
-        unpacked = []
+        unpacked, with_early, early = [], [], []
         for run in range(runs + 2):  # two warm-up runs
             if run < 2:
                 profile_once(request, tokenizer, heads, calibration, dev, {})
@@ -311,11 +361,19 @@ def profile(
             totals.append(total_once(request, tokenizer, heads, calibration, dev))
             if can_unpack():
                 unpacked.append(total_once(request, tokenizer, heads, calibration, dev, False))
+            if can_unpack() and has_early_heads():
+                host = dev.type == "cpu"
+                with_early.append(
+                    total_once(request, tokenizer, heads, calibration, dev, host, early)
+                )
         row = {stage: 1e3 * statistics.median(times[stage]) for stage in STAGES}
         row["sum of stages"] = sum(row[stage] for stage in STAGES)
         row[HOST_TOTAL] = 1e3 * statistics.median(totals)
         if unpacked:
             row[HOST_TOTAL_DEVICE] = 1e3 * statistics.median(unpacked)
+        if with_early:
+            row[HOST_TOTAL_EARLY] = 1e3 * statistics.median(with_early)
+            row[EARLY_HEADS] = 1e3 * statistics.median(early)
         if DEVICE_UPLOAD in times:
             row[DEVICE_UPLOAD] = 1e3 * statistics.median(times[DEVICE_UPLOAD])
         results[name] = row
@@ -329,7 +387,8 @@ def table(results: dict[str, dict[str, float]]) -> str:
         "| stage (median ms) | " + " | ".join(names) + " |",
         "| --- |" + " ---: |" * len(names),
     ]
-    for stage in (*STAGES, "sum of stages", HOST_TOTAL, HOST_TOTAL_DEVICE, DEVICE_UPLOAD):
+    totals = (HOST_TOTAL, HOST_TOTAL_DEVICE, DEVICE_UPLOAD, HOST_TOTAL_EARLY, EARLY_HEADS)
+    for stage in (*STAGES, "sum of stages", *totals):
         if any(stage not in results[n] for n in names):
             continue
         cells = " | ".join(f"{results[n][stage]:.2f}" for n in names)
