@@ -292,7 +292,7 @@ class Executor:
                 if early and len(landed) < len(work.joint) - 1:  # the last: read below
                     landed.append(self.copy_back([out, *parts_out]))
                 clock.lap("options")
-            mus = self.early_mus(prepared, work, landed) if early else {}
+            early_made = self.early_answers(prepared, work, landed) if early else {}
             for pi, qp in enumerate(work.questions):
                 out, state = self.run_question(qp, prefix, prefix_state)
                 asked.append((qp, out))
@@ -311,8 +311,8 @@ class Executor:
                 take_options(op, host(out["hidden"]), host(out["logprobs"]), u, picked)
             clock.lap("readouts")
         readouts = collect(prepared, zq, u, picked, first)
-        for qi, mu in mus.items():
-            readouts[qi].mu = mu
+        for qi, made in early_made.items():
+            readouts[qi].mu, readouts[qi].fields = made.mu, made.fields
         return readouts
 
     def early_heads_on(self, work: Plan) -> bool:
@@ -338,23 +338,23 @@ class Executor:
         event.record()
         return event, copies
 
-    def early_mus(
+    def early_answers(
         self, prepared: Prepared, work: Plan, landed: list[tuple]
-    ) -> dict[int, np.ndarray]:
-        """The heads' outputs of every question whose readouts all come from joint passes
-        before the last, each group made as soon as its last pass is on the host, while the
-        passes after it run; the same bytes as with every question at once (the heads keep a
-        row's bytes whatever the rows beside it: `Heads.stackable`, `DeviceMLPs.usable`). A
-        group the heads refuse is left to `respond`, which raises the refusals in order."""
-        from runtime.errors import ExecutionError
-        from runtime.heads import questions_mu
+    ) -> dict[int, QuestionReadout]:
+        """The readouts of every question whose readouts all come from joint passes before the
+        last, with its heads' output and answer but the latency fields (`finish_early`), each
+        group made as soon as its last pass is on the host, while the passes after it run; the
+        same bytes as with every question at once (the heads keep a row's bytes whatever the
+        rows beside it: `Heads.stackable`, `DeviceMLPs.usable`). What the heads or the
+        finishing refuse is left to `respond`, which raises the refusals in order."""
+        from runtime.finish import finish_early
 
-        finished = finished_by_joint(work)
         zq: dict[int, np.ndarray] = {}
         first: dict[tuple[int, int], float] = {}
         u: dict[tuple[int, int], np.ndarray] = {}
         picked: dict[tuple[int, int], np.ndarray] = {}
-        mus: dict[int, np.ndarray] = {}
+        made: dict[int, QuestionReadout] = {}
+        finished = finished_by_joint(work)
         for jp, (event, copies), ready in zip(work.joint[:-1], landed, finished, strict=True):
             if event is not None:
                 event.synchronize()
@@ -365,13 +365,10 @@ class Executor:
             if not ready:
                 continue
             readouts = collect(prepared, zq, u, picked, first, ready)
-            kinds = [prepared.questions[qi].type for qi in ready]
-            items = list(zip(kinds, readouts, strict=True))
-            try:
-                mus.update(zip(ready, questions_mu(self.heads, items), strict=True))
-            except ExecutionError:
-                continue
-        return mus
+            questions = [prepared.questions[qi] for qi in ready]
+            finish_early(self.heads, self.calibration, questions, readouts)
+            made.update(zip(ready, readouts, strict=True))
+        return made
 
     # -- passes -------------------------------------------------------------------------
 

@@ -237,18 +237,26 @@ def finish_answer(
 ) -> dict:
     """The answer object of one question, fields in contract §3's order."""
     calibration.validate()
+    return with_latency(
+        answer_fields(question_type, keys, mu, calibration), latency_s, latency_total_s
+    )
+
+
+def answer_fields(question_type: str, keys: Sequence[str], mu, calibration: Calibration) -> dict:
+    """`finish_answer` without the latency fields, which come last (`with_latency`)."""
     mu = _check_mu(mu, keys)
     if question_type == "noul":
-        answer = _noul(mu, calibration)
-    elif question_type == "choice":
-        answer = _choice(keys, mu, calibration)
-    elif question_type == "score":
-        answer = _score(keys, mu, calibration)
-    else:
-        raise ExecutionError("invalid head output")
-    answer["latency_s"] = round4(latency_s)
-    answer["latency_total_s"] = round4(latency_total_s)
-    return answer
+        return _noul(mu, calibration)
+    if question_type == "choice":
+        return _choice(keys, mu, calibration)
+    if question_type == "score":
+        return _score(keys, mu, calibration)
+    raise ExecutionError("invalid head output")
+
+
+def with_latency(fields: dict, latency_s: float, latency_total_s: float) -> dict:
+    """An answer's fields, then its two latency fields (contract §3's order)."""
+    return {**fields, "latency_s": round4(latency_s), "latency_total_s": round4(latency_total_s)}
 
 
 def answer_question(
@@ -287,7 +295,34 @@ def answer_questions(
         made = questions_mu(heads, [items[i] for i in late], ordinal=ordinal, lm_feats=lm_feats)
         for i, mu in zip(late, made, strict=True):
             mus[i] = mu
-    return [
-        finish_answer(q.type, q.keys, mu, calibration, latency_s, latency_total_s)
-        for q, mu in zip(questions, mus, strict=True)
-    ]
+    answers = []
+    for q, r, mu in zip(questions, readouts, mus, strict=True):
+        fields = (
+            r.fields if r.fields is not None else answer_fields(q.type, q.keys, mu, calibration)
+        )
+        answers.append(with_latency(fields, latency_s, latency_total_s))
+    return answers
+
+
+def finish_early(
+    heads: Heads,
+    calibration: Calibration,
+    questions: Sequence[Question],
+    readouts: Sequence[QuestionReadout],
+) -> None:
+    """`answer_questions` of questions whose readouts are all on the host while later passes
+    run, but the latency fields: each readout's `mu` and `fields` set, for `answer_questions`
+    to finish with the latency. Where the heads or the finishing refuse, left None: the
+    refusals are raised there, in order (`Executor.early_answers`)."""
+    items = [(q.type, r) for q, r in zip(questions, readouts, strict=True)]
+    try:
+        mus = questions_mu(heads, items)
+        calibration.validate()
+    except ExecutionError:
+        return
+    for q, r, mu in zip(questions, readouts, mus, strict=True):
+        r.mu = mu
+        try:
+            r.fields = answer_fields(q.type, q.keys, mu, calibration)
+        except ExecutionError:
+            continue

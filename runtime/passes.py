@@ -534,7 +534,7 @@ def finished_by_joint(work: Plan) -> list[list[int]]:
     """For each joint pass but the last, the questions it finishes (in order): those whose
     every readout (the text's hidden state and first log-probabilities, each option's hidden
     state and text) comes from it or an earlier joint pass. Their heads need nothing from the
-    passes after it (`Executor.early_mus`)."""
+    passes after it (`Executor.early_answers`)."""
     last: dict[int, int] = {}  # question -> the last joint pass with a readout of it
     for k, jp in enumerate(work.joint):
         keys = [*jp.question.zq_read, *(qi for qi, _ in jp.question.first_read)]

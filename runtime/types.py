@@ -111,5 +111,7 @@ class QuestionReadout:
     u: np.ndarray  # float32 [K, D]: one per option
     picked: list[np.ndarray] = field(default_factory=list)  # per option float32 [n_k] log-probs
     first: list[float | None] = field(default_factory=list)  # per option first-token log-prob
-    # the heads' output, where the executor made it while later passes ran (`early_heads`)
+    # the heads' output, where the executor made it while later passes ran (`early_heads`),
+    # and the answer made from it then, but its latency fields (`runtime.finish.finish_early`)
     mu: np.ndarray | None = None
+    fields: dict | None = None

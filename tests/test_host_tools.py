@@ -70,9 +70,9 @@ def test_host_profile_times_every_stage():
 
 
 def test_host_profile_makes_early_heads_as_the_executor_does():
-    """The early-heads total (`early`): the torch backend's plan, the heads of the questions
-    every joint pass but the last finishes made before the clock resumes, and their mu the
-    same bytes as those of every question's heads at once."""
+    """The early-heads total (`early`): the torch backend's plan, the heads and answers of the
+    questions every joint pass but the last finishes made before the clock resumes, their mu
+    the same bytes as those of every question's heads at once."""
     from reference.questions import speed_bench_questions
     from runtime.contract import compile_request
     from runtime.finish import Calibration
@@ -88,8 +88,10 @@ def test_host_profile_makes_early_heads_as_the_executor_does():
     work = hostprofile.gpu_plan(prepared)
     assert len(work.joint) == 2 and not work.questions  # the bench's 12: options of 8 and 24
     readouts = hostprofile.synthetic_readouts(prepared, heads.hidden)
-    assert hostprofile.early_heads(prepared, work, heads, readouts) > 0
+    calibration = Calibration.v11()
+    assert hostprofile.early_heads(prepared, work, heads, readouts, calibration) > 0
     early = [qi for qi, r in enumerate(readouts) if r.mu is not None]
+    assert early == [qi for qi, r in enumerate(readouts) if r.fields is not None]
     last = work.joint[-1]
     late = {*last.question.zq_read, *(qi for qi, _ in last.question.first_read)}
     late |= {qi for op in last.parts for qi, _ in (*op.u_read, *op.text_reads)}
@@ -101,9 +103,7 @@ def test_host_profile_makes_early_heads_as_the_executor_does():
     assert all(readouts[qi].mu.tobytes() == together[qi].tobytes() for qi in early)
     seconds: list[float] = []
     device = hostprofile.device_for("cpu")
-    total = hostprofile.total_once(
-        request, tokenizer, heads, Calibration.v11(), device, False, seconds
-    )
+    total = hostprofile.total_once(request, tokenizer, heads, calibration, device, False, seconds)
     assert 0 < total < 10 and len(seconds) == 1 and seconds[0] > 0
 
 

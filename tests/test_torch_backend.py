@@ -104,8 +104,9 @@ def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
 
 def test_early_heads_give_the_answers_of_heads_after_every_pass(executor):
     """With two or more joint passes, the questions the earlier passes finish get their heads
-    while the later passes run (`early_heads`): the same answer bytes as every question's heads
-    after the last pass, and only the last pass's questions left for `respond`."""
+    and answers while the later passes run (`early_heads`): the same answer bytes as every
+    question's heads after the last pass, and only the last pass's questions left for
+    `respond`."""
     executor.prefix_cache.entries.clear()
     executor.prefix_cache.size = 0
     questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
@@ -116,7 +117,9 @@ def test_early_heads_give_the_answers_of_heads_after_every_pass(executor):
     kept = executor.config
     try:
         executor.config = kept.with_(early_heads=True)
-        early = [r.mu is not None for r in executor.readouts(prepared)]
+        made = executor.readouts(prepared)
+        early = [r.mu is not None for r in made]
+        assert [r.fields is not None for r in made] == early  # and their answers but latency
         on = without_latency(executor.answer(body))
         executor.config = kept.with_(early_heads=False)
         assert not any(r.mu is not None for r in executor.readouts(prepared))

@@ -42,12 +42,13 @@ HOST_TOTAL_DEVICE = "host total, resize + patches on device"
 # the executor's other way to the vision input (runtime.images.device_pixel_values): not summed
 DEVICE_UPLOAD = "upload uint8 + device patches"
 # the executor's default on CUDA (RuntimeConfig.early_heads): the torch backend's plan (fitted,
-# joint passes), and where it has two or more joint passes, the heads of the questions each but
-# the last finishes made while the later passes run (Executor.early_mus): not on the request's
-# path, so timed on their own (EARLY_HEADS), and the rest after the last readouts. The image
-# goes the executor's way: resize and patches on the device, on the host for a CPU upload
+# joint passes), and where it has two or more joint passes, the heads and the answers (but their
+# latency) of the questions each but the last finishes made while the later passes run
+# (Executor.early_answers): not on the request's path, so timed on their own (EARLY_HEADS),
+# and the rest after the last readouts. The image goes the executor's way: resize and patches
+# on the device, on the host for a CPU upload
 HOST_TOTAL_EARLY = "host total, early heads"
-EARLY_HEADS = "early heads, beside the later passes"
+EARLY_HEADS = "early heads and answers, beside the later passes"
 
 
 # what the stages and the end-to-end total are timed with: wall time, or (use_cpu_time) the
@@ -279,7 +280,7 @@ def total_once(
     between = TIMERS["total"]()
     readouts = synthetic_readouts(prepared, heads.hidden)
     if early is not None:
-        early.append(early_heads(prepared, work, heads, readouts))
+        early.append(early_heads(prepared, work, heads, readouts, calibration))
     resumed = TIMERS["total"]()
     questions = prepared.questions
     if hasattr(finish, "answer_questions"):  # as Executor.respond can call it
@@ -302,26 +303,26 @@ def gpu_plan(prepared):
     return plan(prepared, QUESTION_ROWS, fit=True, joint=True, joint_tokens=JOINT_TOKENS)
 
 
-def early_heads(prepared, work, heads, readouts: list) -> float:
-    """Executor.early_mus on the synthetic readouts: each joint pass's finished questions
-    through the heads as a group, their mu kept in the readouts; the seconds it took."""
-    from runtime.heads import questions_mu
+def early_heads(prepared, work, heads, readouts: list, calibration) -> float:
+    """Executor.early_answers on the synthetic readouts: each joint pass's finished questions
+    through the heads and the finishing as a group (`runtime.finish.finish_early`), what they
+    made kept in the readouts; the seconds it took."""
+    from runtime.finish import finish_early
     from runtime.passes import early_heads_fit, finished_by_joint
 
     started = TIMERS["total"]()
     if early_heads_fit(work):
         for ready in filter(None, finished_by_joint(work)):
-            items = [(prepared.questions[qi].type, readouts[qi]) for qi in ready]
-            for qi, mu in zip(ready, questions_mu(heads, items), strict=True):
-                readouts[qi].mu = mu
+            questions = [prepared.questions[qi] for qi in ready]
+            finish_early(heads, calibration, questions, [readouts[qi] for qi in ready])
     return TIMERS["total"]() - started
 
 
 def has_early_heads() -> bool:
-    """Whether this runtime makes early heads (`runtime.passes.finished_by_joint`)."""
-    from runtime import passes
+    """Whether this runtime makes early heads and answers (`runtime.finish.finish_early`)."""
+    from runtime import finish
 
-    return hasattr(passes, "finished_by_joint")
+    return hasattr(finish, "finish_early")
 
 
 def can_unpack() -> bool:
