@@ -130,11 +130,15 @@ def upload(prepared, work, device) -> None:
     else:
         tensors = [tensor(prepared.image.pixel_values, torch.bfloat16)]
     passes = [work.prefix, *(q.rows for q in work.questions), *(o.rows for o in work.options)]
-    for rows in passes:
+    arrays = [rows.arrays() for rows in passes]
+    for jp in work.joint:  # a joint pass's rows go up together (Executor.run_joint)
+        rows = (jp.question.rows, *(op.rows for op in jp.parts))
+        arrays.append({f"{i}.{k}": a for i, r in enumerate(rows) for k, a in r.arrays().items()})
+    for named in arrays:
         if hasattr(executor, "upload_ints"):
-            tensors.append(executor.upload_ints(rows.arrays(), device))
+            tensors.append(executor.upload_ints(named, device))
         else:  # the runtime before a pass's arrays went up in one copy
-            tensors += [tensor(a, torch.int64) for a in rows.arrays().values()]
+            tensors += [tensor(a, torch.int64) for a in named.values()]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
