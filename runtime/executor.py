@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -283,16 +283,18 @@ class Executor:
                 clock.lap("prefix")
             asked: list[tuple[QuestionPass, dict]] = []
             answered: list[tuple[OptionPass, dict]] = []
+            taken = HostReadouts()
             early = self.early_heads_on(work)
-            landed: list[tuple] = []  # each joint pass's readouts on their way to the host
-            for jp in work.joint:
+            landed: list[tuple] = []  # joint passes read on the host early, all but the last
+            for k, jp in enumerate(work.joint):
                 out, parts_out = self.run_joint(jp, prefix, prefix_state)
-                asked.append((jp.question, out))
-                answered.extend(zip(jp.parts, parts_out, strict=True))
-                if early and len(landed) < len(work.joint) - 1:  # the last: read below
+                if early and k < len(work.joint) - 1:
                     landed.append(self.copy_back([out, *parts_out]))
+                else:
+                    asked.append((jp.question, out))
+                    answered.extend(zip(jp.parts, parts_out, strict=True))
                 clock.lap("options")
-            early_made = self.early_answers(prepared, work, landed) if early else {}
+            made = self.early_answers(prepared, work, landed, taken) if early else {}
             for pi, qp in enumerate(work.questions):
                 out, state = self.run_question(qp, prefix, prefix_state)
                 asked.append((qp, out))
@@ -301,19 +303,14 @@ class Executor:
                     if op.question_pass == pi:
                         answered.append((op, self.run_options(op, prefix, state)))
                 clock.lap("options")
-            zq: dict[int, np.ndarray] = {}
-            first: dict[tuple[int, int], float] = {}
             for qp, out in asked:
-                take_question(qp, host(out["hidden"]), host(out["logprobs"]), zq, first)
-            u: dict[tuple[int, int], np.ndarray] = {}
-            picked: dict[tuple[int, int], np.ndarray] = {}
+                taken.take_question(qp, host(out["hidden"]), host(out["logprobs"]))
             for op, out in answered:
-                take_options(op, host(out["hidden"]), host(out["logprobs"]), u, picked)
+                taken.take_options(op, host(out["hidden"]), host(out["logprobs"]))
             clock.lap("readouts")
-        readouts = collect(prepared, zq, u, picked, first)
-        for qi, made in early_made.items():
-            readouts[qi].mu, readouts[qi].fields = made.mu, made.fields
-        return readouts
+        late = [qi for qi in range(len(prepared.layouts)) if qi not in made]
+        made.update(zip(late, taken.collect(prepared, late), strict=True))
+        return [made[qi] for qi in range(len(prepared.layouts))]
 
     def early_heads_on(self, work: Plan) -> bool:
         """Whether the heads of the questions a joint pass finishes run while the later joint
@@ -339,32 +336,29 @@ class Executor:
         return event, copies
 
     def early_answers(
-        self, prepared: Prepared, work: Plan, landed: list[tuple]
+        self, prepared: Prepared, work: Plan, landed: list[tuple], taken: HostReadouts
     ) -> dict[int, QuestionReadout]:
-        """The readouts of every question whose readouts all come from joint passes before the
-        last, with its heads' output and answer but the latency fields (`finish_early`), each
-        group made as soon as its last pass is on the host, while the passes after it run; the
-        same bytes as with every question at once (the heads keep a row's bytes whatever the
-        rows beside it: `Heads.stackable`, `DeviceMLPs.usable`). What the heads or the
-        finishing refuse is left to `respond`, which raises the refusals in order."""
+        """The readouts of every question whose readouts all come from the joint passes that
+        `landed` (each but the last), with its heads' output and answer but the latency fields
+        (`finish_early`), each group made as soon as its last pass is on the host, while the
+        passes after it run; their rows' readouts go into `taken`. The same bytes as with every
+        question at once (the heads keep a row's bytes whatever the rows beside it:
+        `Heads.stackable`, `DeviceMLPs.usable`). What the heads or the finishing refuse is left
+        to `respond`, which raises the refusals in order."""
         from runtime.finish import finish_early
 
-        zq: dict[int, np.ndarray] = {}
-        first: dict[tuple[int, int], float] = {}
-        u: dict[tuple[int, int], np.ndarray] = {}
-        picked: dict[tuple[int, int], np.ndarray] = {}
         made: dict[int, QuestionReadout] = {}
         finished = finished_by_joint(work)
         for jp, (event, copies), ready in zip(work.joint[:-1], landed, finished, strict=True):
             if event is not None:
                 event.synchronize()
             (hidden, logprobs), *parts = [(h.numpy(), p.numpy()) for h, p in copies]
-            take_question(jp.question, hidden, logprobs, zq, first)
+            taken.take_question(jp.question, hidden, logprobs)
             for op, (hidden, logprobs) in zip(jp.parts, parts, strict=True):
-                take_options(op, hidden, logprobs, u, picked)
+                taken.take_options(op, hidden, logprobs)
             if not ready:
                 continue
-            readouts = collect(prepared, zq, u, picked, first, ready)
+            readouts = taken.collect(prepared, ready)
             questions = [prepared.questions[qi] for qi in ready]
             finish_early(self.heads, self.calibration, questions, readouts)
             made.update(zip(ready, readouts, strict=True))
@@ -780,48 +774,44 @@ def host(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
-def take_question(
-    qp: QuestionPass, hidden: np.ndarray, logprobs: np.ndarray, zq: dict, first: dict
-) -> None:
-    """A question pass's readouts on the host into `zq` (by question) and `first` (by question
-    and option)."""
-    for qi, index in qp.zq_read.items():
-        zq[qi] = hidden[index]
-    for pair, index in qp.first_read.items():
-        first[pair] = float(logprobs[index])
+@dataclass
+class HostReadouts:
+    """A request's readouts on the host as its passes' outputs arrive: `zq` by question,
+    `first`, `u` and `picked` by (question, option)."""
 
+    zq: dict[int, np.ndarray] = field(default_factory=dict)
+    first: dict[tuple[int, int], float] = field(default_factory=dict)
+    u: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    picked: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
-def take_options(
-    op: OptionPass, hidden: np.ndarray, logprobs: np.ndarray, u: dict, picked: dict
-) -> None:
-    """An option pass's readouts on the host into `u` and `picked` (by question and option)."""
-    for pair, index in op.u_read.items():
-        u[pair] = hidden[index]
-    for pair, indices in op.text_reads.items():
-        picked[pair] = logprobs[indices].astype(np.float32)
+    def take_question(self, qp: QuestionPass, hidden: np.ndarray, logprobs: np.ndarray) -> None:
+        """A question pass's readouts: its questions' zq and first-token log-probabilities."""
+        for qi, index in qp.zq_read.items():
+            self.zq[qi] = hidden[index]
+        for pair, index in qp.first_read.items():
+            self.first[pair] = float(logprobs[index])
 
+    def take_options(self, op: OptionPass, hidden: np.ndarray, logprobs: np.ndarray) -> None:
+        """An option pass's readouts: its options' u and their texts' log-probabilities."""
+        for pair, index in op.u_read.items():
+            self.u[pair] = hidden[index]
+        for pair, indices in op.text_reads.items():
+            self.picked[pair] = logprobs[indices].astype(np.float32)
 
-def collect(
-    prepared: Prepared,
-    zq: dict[int, np.ndarray],
-    u: dict[tuple[int, int], np.ndarray],
-    picked: dict[tuple[int, int], np.ndarray],
-    first: dict[tuple[int, int], float],
-    which: list[int] | None = None,
-) -> list[QuestionReadout]:
-    """The readouts of the questions `which` (every question where None), in that order."""
-    readouts = []
-    for qi in range(len(prepared.layouts)) if which is None else which:
-        k = len(prepared.layouts[qi].rows)
-        readouts.append(
-            QuestionReadout(
-                zq=zq[qi].astype(np.float32),
-                u=np.stack([u[(qi, j)] for j in range(k)]).astype(np.float32),
-                picked=[picked.get((qi, j), np.zeros(0, np.float32)) for j in range(k)],
-                first=[first.get((qi, j)) for j in range(k)],
+    def collect(self, prepared: Prepared, which: list[int]) -> list[QuestionReadout]:
+        """The readouts of the questions `which`, in that order."""
+        readouts = []
+        for qi in which:
+            k = len(prepared.layouts[qi].rows)
+            readouts.append(
+                QuestionReadout(
+                    zq=self.zq[qi].astype(np.float32),
+                    u=np.stack([self.u[(qi, j)] for j in range(k)]).astype(np.float32),
+                    picked=[self.picked.get((qi, j), np.zeros(0, np.float32)) for j in range(k)],
+                    first=[self.first.get((qi, j)) for j in range(k)],
+                )
             )
-        )
-    return readouts
+        return readouts
 
 
 def warm_up_image() -> str:

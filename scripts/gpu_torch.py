@@ -453,7 +453,7 @@ def attention_kernel_check() -> list[dict]:
         got, before = ours(), folded()
         reverse = torch.arange(b - 1, -1, -1, device="cuda")
         # the rows of a pass get its chunking (chosen by its row count), alone too
-        chunk = attention_kernels.CHUNK_KEYS if b <= attention_kernels.CHUNK_MAX_ROWS else 0
+        chunk = attention_kernels.pass_chunk(b)
         flipped, alone = some_rows(args, reverse, chunk), some_rows(args, slice(0, 1), chunk)
         row = {
             "rows": b, "tokens": t, "shared": p, "past": past,

@@ -352,6 +352,8 @@ def profile(
     heads = heads or synthetic_heads()
     calibration = calibration or Calibration.v11()
     dev = device_for(device)
+    unpacks = can_unpack()
+    host_image = dev.type == "cpu"  # the early path's image goes the executor's way
     results = {}
     for name, request in requests.items():
         times: dict[str, list[float]] = {}
@@ -364,12 +366,11 @@ def profile(
                 continue
             profile_once(request, tokenizer, heads, calibration, dev, times)
             totals.append(total_once(request, tokenizer, heads, calibration, dev))
-            if can_unpack():
+            if unpacks:
                 unpacked.append(total_once(request, tokenizer, heads, calibration, dev, False))
-            if can_unpack() and has_early_heads():
-                host = dev.type == "cpu"
+            if unpacks and has_early_heads():
                 with_early.append(
-                    total_once(request, tokenizer, heads, calibration, dev, host, early)
+                    total_once(request, tokenizer, heads, calibration, dev, host_image, early)
                 )
         row = {stage: 1e3 * statistics.median(times[stage]) for stage in STAGES}
         row["sum of stages"] = sum(row[stage] for stage in STAGES)

@@ -229,6 +229,12 @@ def prefix_attention(q, k, v, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).reshape(b, t, heads * hd).to(v.dtype)
 
 
+def pass_chunk(rows: int) -> int:
+    """Shared keys a program in a pass of `rows` rows: CHUNK_KEYS up to CHUNK_MAX_ROWS rows,
+    else 0 (one program walks every key)."""
+    return CHUNK_KEYS if rows <= CHUNK_MAX_ROWS else 0
+
+
 def attend_rows(
     q, shared_k, shared_v, past_k, past_v, k, v, mask, scale, chunk: int | None = None
 ) -> torch.Tensor:
@@ -243,7 +249,7 @@ def attend_rows(
     if triton is None:
         raise RuntimeError("the attention kernel needs triton")
     if chunk is None:
-        chunk = CHUNK_KEYS if b <= CHUNK_MAX_ROWS else 0
+        chunk = pass_chunk(b)
     if hd & (hd - 1) or heads % kv_heads or shared_k.shape[0] != 1:
         raise ValueError(f"attention kernel: head dim {hd}, heads {heads}/{kv_heads}")
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
