@@ -107,6 +107,24 @@ def test_host_profile_makes_early_heads_as_the_executor_does():
     assert 0 < total < 10 and len(seconds) == 1 and seconds[0] > 0
 
 
+def test_host_profile_keeps_every_run():
+    """`profile` gives the medians the table prints and, under RUNS, every run's time."""
+    from tools.bench import body, encode, pattern_image
+
+    request = body(
+        encode(pattern_image(96, 64), "PNG"),
+        "image/png",
+        {"q": {"type": "noul", "instructions": "A dialog is visible."}},
+    )
+    heads = hostprofile.synthetic_heads(hidden=64)
+    row = hostprofile.profile({"PNG": request}, heads=heads, runs=3, device="cpu")["PNG"]
+    runs = row[hostprofile.RUNS]
+    assert len(runs[hostprofile.HOST_TOTAL]) == 3 and len(runs["decode"]) == 3
+    median = sorted(runs[hostprofile.HOST_TOTAL])[1]  # of three runs, rounded to 1 µs
+    assert abs(row[hostprofile.HOST_TOTAL] - median) < 1e-3
+    assert "| host total |" in hostprofile.table({"PNG": row})
+
+
 def test_median_ms_times_runs_after_warm_calls():
     from tools.bench import median_ms
 

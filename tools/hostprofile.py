@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     results = hoststages.profile(requests, tokenizer, heads, calibration, args.runs, args.device)
     machine = hoststages.machine()
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+        record = {"machine": machine, "command": sys.argv, "results": results}
+        Path(args.out).write_text(json.dumps(record, indent=1))
     clock = "CPU time" if args.cpu_time else "wall time"
     site = "device" if heads is not None and heads.device_mlps is not None else "CPU"
     upload = hoststages.device_for(args.device)
