@@ -424,12 +424,17 @@ def prepare(
                 planned = planner(draft)
             except Exception as error:  # raised after the image's refusals, as they come first
                 failure = error
-    if pending is not None:
-        image = pending.result()  # an image refusal is raised here, before the text's
-    if refusal is not None:
-        raise refusal
-    if failure is not None:
-        raise failure
+    try:
+        if pending is not None:
+            image = pending.result()  # an image refusal is raised here, before the text's
+        if refusal is not None:
+            raise refusal
+        if failure is not None:
+            raise failure
+    finally:
+        # a raised error's traceback holds this frame, whose locals hold the error: the cycle
+        # would keep the request's bytes until the next garbage collection
+        del pending, refusal, failure
     if image.grid_thw != grid:  # the header's size gave another grid than the decoded image's
         raise ContractError(PLACEHOLDER_ERROR)
     return replace(

@@ -6,6 +6,7 @@ read from /proc; the bodies come from a seeded generator, so a failure can be re
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import random
@@ -17,7 +18,16 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests.server_helpers import SubprocessServer, data_url, decision, png_bytes, wait_ready
+from tests.server_helpers import (
+    ROOT,
+    RealishEngine,
+    SubprocessServer,
+    ThreadServer,
+    data_url,
+    decision,
+    png_bytes,
+    wait_ready,
+)
 from tools.fuzz import bad_bodies, nested
 
 DECIDE = "/v1/systemone"
@@ -168,3 +178,33 @@ def test_memory_stays_flat_over_1000_bad_requests(
     grown = worker.rss_kib() - before
     assert grown < RSS_GROWTH_KIB, f"RSS grew by {grown} KiB over {MEASURED_REQUESTS} requests"
     assert worker.process.poll() is None
+
+
+def project_frames_in_cycles() -> list[str]:
+    """The project's frames that only a garbage collection would free (collected here)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        frames = [item for item in gc.garbage if type(item).__name__ == "frame"]
+        names = [f"{frame.f_code.co_name} ({frame.f_code.co_filename})" for frame in frames]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+    return [name for name in names if str(ROOT / "runtime") in name or str(ROOT / "server") in name]
+
+
+def test_a_refusal_leaves_nothing_for_the_garbage_collector() -> None:
+    # a refusal's traceback holds the frames that raised it; where one of them also held the
+    # error, the cycle kept the request's body and image (twice 11 MiB) until a collection ran
+    bodies = [json.dumps(decision(image=image)).encode() for image in hostile_images()]
+    bodies += list(bad_bodies(random.Random(SEED + 2), 40)) + large_and_deep()
+    with ThreadServer(RealishEngine()) as server, httpx.Client(base_url=server.url) as client:
+        wait_ready(server.url)
+        gc.collect()
+        gc.disable()
+        try:
+            for body in bodies:
+                send(client, body)
+            assert project_frames_in_cycles() == []
+        finally:
+            gc.enable()
