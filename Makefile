@@ -9,6 +9,8 @@ ENGINES ?= artifacts/demo/engines
 FUZZ_ARGS ?= --seed 0 --requests 10000
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# pytest-xdist processes for `make test`, each test module in one of them (the CI machine's cores)
+TEST_WORKERS ?= 2
 
 .PHONY: venv test lint demo serve checkpoint engines parity bench profile fuzz clean
 
@@ -24,7 +26,7 @@ venv: $(VENV)/.installed
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,41 +1,40 @@
-"""Shared test helpers: ONNX Runtime engines for the tiny checkpoint, exported once per session.
+"""Shared test helpers: ONNX Runtime engines for the tiny checkpoint, exported once per run.
 
-Every ONNX variant of an export is written once per session (`exported`): the engine fixtures
-read it, and `build_engines` in tests/test_engines.py copies it (`reuse_exports`) where it asks
-for the same export with the same arguments, since a variant of the tiny checkpoint takes 30-40 s
-to export on the 2-core CI machine.
+Every ONNX variant of an export is written once per test run, whichever pytest-xdist worker asks
+first (`exported`): the engine fixtures read it, and `build_engines` in tests/test_engines.py
+copies it (`reuse_exports`) where it asks for the same export with the same arguments, since a
+variant of the tiny checkpoint takes 30-40 s to export on the 2-core CI machine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
-from tests.checkpoint_fixtures import tiny_export
-
-_EXPORTED: dict[tuple, Path] = {}  # (export dir, dtype, gdn, readout) -> its variant's folder
-_BUILT: dict[tuple[Path, str], Path] = {}
+from tests.checkpoint_fixtures import once, tiny_export
 
 
 def exported(
     tmp_path_factory, export: Path, dtype: str, gdn: str, readout: str, export_onnx=None
 ) -> Path:
-    """The folder of one ONNX variant of `export` (every graph), exported once per session
-    (by `export_onnx`, the exporter's own where not given)."""
+    """The folder of one ONNX variant of `export` (every graph), exported once per run (by
+    `export_onnx`, the exporter's own where not given)."""
     from build_engines import onnx_export
 
     export_onnx = export_onnx or onnx_export.export_onnx
-    key = (Path(export).resolve(), dtype, gdn, readout)
-    if key not in _EXPORTED:
-        folder = tmp_path_factory.mktemp(f"onnx-{gdn}-{readout}") / "variant"
-        export_onnx(export, folder, dtype=dtype, gdn=gdn, readout=readout)
-        _EXPORTED[key] = folder
-    return _EXPORTED[key]
+    source = hashlib.sha256(str(Path(export).resolve()).encode()).hexdigest()[:12]
+    name = f"onnx-{source}-{dtype}-{gdn}-{readout}"
+
+    def export_variant(folder: Path) -> None:
+        export_onnx(export, folder / "variant", dtype=dtype, gdn=gdn, readout=readout)
+
+    return once(tmp_path_factory, name, export_variant) / "variant"
 
 
 def reuse_exports(tmp_path_factory, monkeypatch) -> None:
-    """Makes `build_engines.onnx_export.export_onnx` copy a session's variant (`exported`) into
+    """Makes `build_engines.onnx_export.export_onnx` copy a run's variant (`exported`) into
     the folder it is asked to write, where the arguments are the same, instead of exporting
     again; the copy is the same files, so manifests, checks and plans see what an export
     writes."""
@@ -57,7 +56,7 @@ def reuse_exports(tmp_path_factory, monkeypatch) -> None:
 
 def tiny_variant(tmp_path_factory, gdn: str) -> Path:
     """The float32 ONNX Runtime files of the tiny export (`gdn` "ort" or "std") under an engine
-    directory's `onnx_ort/`, exported once per session."""
+    directory's `onnx_ort/`, exported once per run."""
     from build_engines.engines import (
         FORMAT,
         checkpoint_record,
@@ -66,10 +65,11 @@ def tiny_variant(tmp_path_factory, gdn: str) -> Path:
     )
 
     export = tiny_export(tmp_path_factory)
-    if (export, gdn) not in _BUILT:
-        engines = tmp_path_factory.mktemp(f"tiny-{gdn}-engines")
-        folder = exported(tmp_path_factory, export, "float32", gdn, "std")
-        shutil.copytree(folder, engines / "onnx_ort")
+
+    def build(folder: Path) -> None:
+        engines = folder / "engines"
+        variant = exported(tmp_path_factory, export, "float32", gdn, "std")
+        shutil.copytree(variant, engines / "onnx_ort")
         # what `omnijev engines --skip-plans` records, so the directory passes verification
         manifest = {
             "format": FORMAT,
@@ -78,8 +78,8 @@ def tiny_variant(tmp_path_factory, gdn: str) -> Path:
             "plans": None,
         }
         write_manifest(engines, manifest)
-        _BUILT[(export, gdn)] = engines
-    return _BUILT[(export, gdn)]
+
+    return once(tmp_path_factory, f"tiny-{gdn}-engines", build) / "engines"
 
 
 def tiny_engines(tmp_path_factory) -> tuple[Path, Path]:

@@ -123,16 +123,17 @@ def test_a_12_mib_body_parses_fast() -> None:
     request = {"state": {"images": [image]}, "questions": {"q": question}}
     body = json.dumps(request).encode()
     assert len(body) <= 12 * 1024 * 1024
-    started = time.perf_counter()
+    # CPU seconds, not wall time: the suite runs in two processes on two cores
+    started = time.process_time()
     assert parse_body(body)["state"]["images"][0] == image
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5
 
 
 def test_pathological_bodies_are_refused_fast() -> None:
-    started = time.perf_counter()
+    started = time.process_time()
     refusal(b'{"a": "' + b'\\"' * 1_000_000)  # unterminated string full of escaped quotes
     refusal(b"[" * 1_000_000)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
 
 
 MiB = 1024 * 1024
