@@ -259,8 +259,13 @@ async def read_body(request: Request, deadline_s: float, draining: asyncio.Event
         stopping.cancel()
         if not reading.done():
             reading.cancel()
-    if reading in done:
-        return reading.result()
+    try:
+        if reading in done:
+            return reading.result()
+    finally:
+        # a disconnect raised by result() holds this frame, and the frame the task that holds it:
+        # the cycle would keep the bytes read so far until the next garbage collection
+        del reading, done
     raise Draining() if draining.is_set() else BodyTimeout()
 
 

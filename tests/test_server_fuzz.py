@@ -10,7 +10,9 @@ import gc
 import io
 import json
 import random
+import socket
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 
@@ -195,7 +197,8 @@ def project_frames_in_cycles() -> list[str]:
 
 def test_a_refusal_leaves_nothing_for_the_garbage_collector() -> None:
     # a refusal's traceback holds the frames that raised it; where one of them also held the
-    # error, the cycle kept the request's body and image (twice 11 MiB) until a collection ran
+    # error, the cycle kept the request's body and image (twice 11 MiB) until a collection ran,
+    # and a client gone mid-upload kept what had arrived of its body
     bodies = [json.dumps(decision(image=image)).encode() for image in hostile_images()]
     bodies += list(bad_bodies(random.Random(SEED + 2), 40)) + large_and_deep()
     with ThreadServer(RealishEngine()) as server, httpx.Client(base_url=server.url) as client:
@@ -205,6 +208,23 @@ def test_a_refusal_leaves_nothing_for_the_garbage_collector() -> None:
         try:
             for body in bodies:
                 send(client, body)
+            gone_mid_upload(server.url, client)
             assert project_frames_in_cycles() == []
         finally:
             gc.enable()
+
+
+def gone_mid_upload(url: str, client: httpx.Client) -> None:
+    """A client that sends 1 MiB of a 5 MB body and closes; back once the worker counted it."""
+    host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            f"POST {DECIDE} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 5000000\r\n\r\n".encode()
+            + b"{"
+            + b" " * MiB
+        )
+    deadline = time.monotonic() + 10
+    while 'omnijev_requests_total{status="499"}' not in client.get("/metrics").text:
+        assert time.monotonic() < deadline, "the worker never counted the client gone"
+        time.sleep(0.05)
