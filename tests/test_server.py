@@ -6,6 +6,7 @@ is tests/server_helpers.RealishEngine, whose contract and preparation are the re
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -30,6 +31,7 @@ from tests.server_helpers import (
     decision,
     wait_ready,
 )
+from tests.test_server_fuzz import hostile_images, project_frames_in_cycles
 
 DECIDE = "/v1/systemone"
 BUSY = {"detail": "the worker is busy"}
@@ -528,6 +530,14 @@ def test_the_real_executor_end_to_end(tmp_path_factory: pytest.TempPathFactory) 
         wait_ready(server.url)
         first, again = post(server.url, decision()), post(server.url, decision())
         refused = post(server.url, {**decision(), "model": "other"})
+        gc.collect()
+        gc.disable()  # the real preparation's refusals leave no cycle behind (see test_server_fuzz)
+        try:
+            images = [post(server.url, decision(image=image)) for image in hostile_images()]
+            left = project_frames_in_cycles()
+        finally:
+            gc.enable()
+    assert {response.status_code for response in images} == {422} and left == []
     assert first.status_code == 200, first.text
     body = ordered(first)
     assert [key for key, _ in body] == ["model", "answers", "usage"]
