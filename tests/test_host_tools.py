@@ -108,7 +108,7 @@ def test_host_profile_makes_early_heads_as_the_executor_does():
 
 
 def test_host_profile_keeps_every_run():
-    """`profile` gives the medians the table prints and, under RUNS, every run's time."""
+    """`profile` gives the medians the table prints and, under EVERY_RUN, every run's time."""
     from tools.bench import body, encode, pattern_image
 
     request = body(
@@ -118,7 +118,7 @@ def test_host_profile_keeps_every_run():
     )
     heads = hostprofile.synthetic_heads(hidden=64)
     row = hostprofile.profile({"PNG": request}, heads=heads, runs=3, device="cpu")["PNG"]
-    runs = row[hostprofile.RUNS]
+    runs = row[hostprofile.EVERY_RUN]
     assert len(runs[hostprofile.HOST_TOTAL]) == 3 and len(runs["decode"]) == 3
     median = sorted(runs[hostprofile.HOST_TOTAL])[1]  # of three runs, rounded to 1 µs
     assert abs(row[hostprofile.HOST_TOTAL] - median) < 1e-3

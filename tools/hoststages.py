@@ -48,8 +48,8 @@ DEVICE_UPLOAD = "upload uint8 + device patches"
 # and the rest after the last readouts. The image goes the executor's way: resize and patches
 # on the device, on the host for a CPU upload
 HOST_TOTAL_EARLY = "host total, early heads"
-RUNS = "runs_ms"  # every run's milliseconds, by stage and total, in run order (not in the table)
 EARLY_HEADS = "early heads and answers, beside the later passes"
+EVERY_RUN = "runs_ms"  # each run's milliseconds by stage and total, in run order (not in the table)
 
 
 # what the stages and the end-to-end total are timed with: wall time, or (use_cpu_time) the
@@ -346,7 +346,7 @@ def profile(
     device: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Median milliseconds per stage for each request, `host total` timed end to end, and
-    every run's under RUNS."""
+    every run's under EVERY_RUN."""
     from runtime.finish import Calibration
     from runtime.tokenizer import load_tokenizer
 
@@ -386,7 +386,7 @@ def profile(
             row[DEVICE_UPLOAD] = 1e3 * statistics.median(times[DEVICE_UPLOAD])
         every = {**times, HOST_TOTAL: totals, HOST_TOTAL_DEVICE: unpacked}
         every.update({HOST_TOTAL_EARLY: with_early, EARLY_HEADS: early})
-        row[RUNS] = {k: [round(1e3 * t, 3) for t in v] for k, v in every.items() if v}
+        row[EVERY_RUN] = {k: [round(1e3 * t, 3) for t in v] for k, v in every.items() if v}
         results[name] = row
     return results
 
