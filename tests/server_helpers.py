@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import socket
 import subprocess
@@ -36,6 +37,7 @@ FAIL = "make execute fail"  # instructions that make RealishEngine.execute raise
 HOLD_S = 30.0  # a held stage gives up after this, so that a broken test cannot hang
 START_S = 30.0  # a server that does not answer within this failed to start
 ROOT = Path(__file__).resolve().parents[1]
+UNSENT = ("4096 squared from 50 kB", "over 8 MiB")  # answered; refused too, but 11 MB to send
 
 
 class RealishEngine:
@@ -127,6 +129,28 @@ def builtin_tokenizer() -> object:
 def decision(questions: dict | None = None, image: str | None = None) -> dict:
     """A valid request: questions in an order that is not sorted, of every type, 32×32 image."""
     return fuzz.decision(questions, image, size=(32, 32))
+
+
+def refused_images() -> list[str]:
+    """Image strings a worker must refuse (422) quickly: tools.fuzz's, less the one it answers,
+    the one over 8 MiB and the 2,000-chunk bombs, and an empty string."""
+    bombs = f"x{fuzz.ICCP_CHUNKS}"
+    images = fuzz.hostile_images()
+    kept = [image for name, image in images.items() if name not in UNSENT and bombs not in name]
+    return [*kept, ""]
+
+
+def project_frames_in_cycles() -> list[str]:
+    """The project's frames that only a garbage collection would free (collected here)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        frames = [item for item in gc.garbage if type(item).__name__ == "frame"]
+        names = [f"{frame.f_code.co_name} ({frame.f_code.co_filename})" for frame in frames]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+    return [name for name in names if str(ROOT / "runtime") in name or str(ROOT / "server") in name]
 
 
 def wait(gate: threading.Semaphore | None, stage: str) -> None:

@@ -29,9 +29,10 @@ from tests.server_helpers import (
     SubprocessServer,
     ThreadServer,
     decision,
+    project_frames_in_cycles,
+    refused_images,
     wait_ready,
 )
-from tests.test_server_fuzz import hostile_images, project_frames_in_cycles
 
 DECIDE = "/v1/systemone"
 BUSY = {"detail": "the worker is busy"}
@@ -533,7 +534,7 @@ def test_the_real_executor_end_to_end(tmp_path_factory: pytest.TempPathFactory) 
         gc.collect()
         gc.disable()  # the real preparation's refusals leave no cycle behind (see test_server_fuzz)
         try:
-            images = [post(server.url, decision(image=image)) for image in hostile_images()]
+            images = [post(server.url, decision(image=image)) for image in refused_images()]
             left = project_frames_in_cycles()
         finally:
             gc.enable()

@@ -7,30 +7,26 @@ read from /proc; the bodies come from a seeded generator, so a failure can be re
 from __future__ import annotations
 
 import gc
-import io
 import json
 import random
 import socket
-import struct
 import time
-import zlib
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from PIL import Image
 
 from tests.server_helpers import (
-    ROOT,
     RealishEngine,
     SubprocessServer,
     ThreadServer,
     data_url,
     decision,
-    png_bytes,
+    project_frames_in_cycles,
+    refused_images,
     wait_ready,
 )
-from tools.fuzz import bad_bodies, nested
+from tools.fuzz import MiB, bad_bodies, nested, png_claiming
 
 DECIDE = "/v1/systemone"
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -44,57 +40,6 @@ RSS_GROWTH_KIB = 20 * 1024  # the brief's bound on growth over 1,000 bad request
 # per arena untrimmed), so multi-MiB bodies leave a cache of ~200 MB that fills over ~1,000
 # requests and then stays flat; a fixed threshold lets RSS show leaks instead of that cache
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-MiB = 1024 * 1024
-
-
-def png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def png_claiming(width: int, height: int, pixels: bytes = b"\0" * 64) -> bytes:
-    """A PNG whose header claims width × height, with whatever pixel data is given."""
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunks = png_chunk(b"IHDR", header) + png_chunk(b"IDAT", zlib.compress(pixels))
-    return b"\x89PNG\r\n\x1a\n" + chunks + png_chunk(b"IEND", b"")
-
-
-def jpeg_bytes(width: int, height: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), (200, 10, 10)).save(buffer, format="JPEG")
-    return buffer.getvalue()
-
-
-def animated_png() -> bytes:
-    frames = [Image.new("RGB", (16, 16), color) for color in ((0, 0, 0), (255, 255, 255))]
-    buffer = io.BytesIO()
-    frames[0].save(buffer, format="PNG", save_all=True, append_images=frames[1:])
-    return buffer.getvalue()
-
-
-def hostile_images() -> list[str]:
-    """Image strings that must be refused (422) without harm to the worker."""
-    png = png_bytes(64, 48)
-    encoded = data_url(png).split(",", 1)[1]
-    return [
-        data_url(png[:40]),  # truncated
-        data_url(png_claiming(100_000, 100_000)),  # bomb header beyond the decoder limit
-        data_url(png_claiming(4096, 4096)),  # allowed size, pixel data missing
-        data_url(png_claiming(4097, 64)),
-        data_url(png_claiming(401, 2)),
-        data_url(png, "image/jpeg"),  # wrong MIME
-        data_url(jpeg_bytes(32, 32), "image/png"),
-        data_url(jpeg_bytes(32, 32)[:200], "image/jpeg"),
-        data_url(png, "image/gif"),
-        data_url(animated_png()),
-        data_url(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4),
-        "data:image/png;base64," + encoded[:-2],  # padding removed
-        "data:image/png;base64," + encoded[:40] + "\n" + encoded[40:],
-        "data:image/png;base64,!!!!",
-        "data:image/png;base64,",
-        "data:image/png",
-        "http://127.0.0.1/image.png",
-        "",
-    ]
 
 
 def large_and_deep() -> list[bytes]:
@@ -142,7 +87,7 @@ def client(worker: SubprocessServer) -> Iterator[httpx.Client]:
 def test_hostile_requests_are_refused_and_the_worker_stays_up(
     worker: SubprocessServer, client: httpx.Client
 ) -> None:
-    for image in hostile_images():
+    for image in refused_images():
         response = send(client, json.dumps(decision(image=image)).encode())
         assert response.status_code == 422, (image[:80], response.text)
     for body in large_and_deep():
@@ -182,24 +127,11 @@ def test_memory_stays_flat_over_1000_bad_requests(
     assert worker.process.poll() is None
 
 
-def project_frames_in_cycles() -> list[str]:
-    """The project's frames that only a garbage collection would free (collected here)."""
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        gc.collect()
-        frames = [item for item in gc.garbage if type(item).__name__ == "frame"]
-        names = [f"{frame.f_code.co_name} ({frame.f_code.co_filename})" for frame in frames]
-    finally:
-        gc.garbage.clear()
-        gc.set_debug(0)
-    return [name for name in names if str(ROOT / "runtime") in name or str(ROOT / "server") in name]
-
-
 def test_a_refusal_leaves_nothing_for_the_garbage_collector() -> None:
     # a refusal's traceback holds the frames that raised it; where one of them also held the
     # error, the cycle kept the request's body and image (twice 11 MiB) until a collection ran,
     # and a client gone mid-upload kept what had arrived of its body
-    bodies = [json.dumps(decision(image=image)).encode() for image in hostile_images()]
+    bodies = [json.dumps(decision(image=image)).encode() for image in refused_images()]
     bodies += list(bad_bodies(random.Random(SEED + 2), 40)) + large_and_deep()
     with ThreadServer(RealishEngine()) as server, httpx.Client(base_url=server.url) as client:
         wait_ready(server.url)
