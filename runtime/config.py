@@ -36,6 +36,8 @@ class RuntimeConfig:
     # None: where the engine has joint passes and keeps a row's bytes in them (the torch backend)
     early_heads: bool | None = None  # the heads of questions whose joint passes are done run
     # while the later passes execute; None: on CUDA
+    joint_lanes: bool | None = None  # joint passes of different option lengths run at once on
+    # two CUDA streams (TorchBackend.lane_stream); None: on CUDA with graphs
     share_weights: bool = True  # ONNX Runtime sessions share one copy of the weights
     ort_threads: int = 0  # ONNX Runtime intra-op threads; 0: its default (one on CUDA)
     plugin_library: str | None = None  # the TensorRT readout plugin; None: plugins/build/
@@ -118,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("device-heads", "the heads' large products on the GPU (default: on CUDA)"),
         ("joint-passes", "option rows in one pass with their questions (default: where kept)"),
         ("early-heads", "heads of finished questions beside later passes (default: on CUDA)"),
+        ("joint-lanes", "joint passes at once on two CUDA streams (default: on CUDA)"),
         ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
     ):
         group.add_argument(

@@ -714,6 +714,21 @@ def settings(executor, **changes):
         executor.config = kept
 
 
+def one_lane(executor, workloads: dict) -> list[dict]:
+    """The GPU stages of the workloads with two or more joint passes with every joint pass in
+    lane 0 (one stream, as before lanes), beside the default (TorchBackend.lanes)."""
+    backend = executor.backend
+    if getattr(backend, "lanes", 1) < 2:
+        return []
+    several = {n: w for n, w in workloads.items() if len(w[1].planned[1].joint) > 1}
+    kept = backend.lanes
+    backend.lanes = 1  # Executor.lane_of: every joint pass in lane 0
+    try:
+        return gpu_stages(executor, several)
+    finally:
+        backend.lanes = kept
+
+
 def fixed_rows(executor, workloads: dict) -> list[dict]:
     """The GPU stages with passes of fixed rows (fit_rows off), beside the fitted default."""
     with settings(executor, fit_rows=False):
@@ -1390,6 +1405,8 @@ def session(final: bool) -> None:
     if not TINY:
         attempt(report, "product_rows", product_rows, executor)
     attempt(report, "gpu_stages", gpu_stages, executor, workloads)
+    report["lanes"] = getattr(executor.backend, "lanes", 1)
+    attempt(report, "one_lane", one_lane, executor, workloads)
     report["warm_stats"] = executor.backend.stats()
     attempt(report, "invariance", invariance, executor)
     if executor.pass_shape()[1] and "--no-fixed" not in sys.argv:
@@ -1610,6 +1627,8 @@ def summarise(report: dict) -> None:
     summary = [f"backend {report.get('backend')}, load {report.get('load_s', 0):.1f} s"]
     if isinstance(report.get("gpu_stages"), list):
         summary += ["GPU stages", latency_table(report["gpu_stages"])]
+    if report.get("one_lane"):
+        summary += ["GPU stages, one lane", latency_table(report["one_lane"])]
     if isinstance(report.get("fixed_rows"), list):
         summary += ["GPU stages, fixed rows", latency_table(report["fixed_rows"])]
     separate = report.get("separate_passes")

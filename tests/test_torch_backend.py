@@ -136,6 +136,37 @@ def test_early_heads_give_the_answers_of_heads_after_every_pass(executor):
     assert json.dumps(on) == json.dumps(off)
 
 
+def test_joint_lanes_split_the_bench_passes_and_keep_the_answers(executor, monkeypatch):
+    """Lanes (`TorchBackend.lanes`, two CUDA streams on the GPU): the 12 speed-bench questions'
+    joint passes go to both lanes by their options' length, a lane's pass runs on that lane's
+    graphs and buffers, and the answers keep their bytes. On the CPU the lanes share the
+    caller's stream: this checks the executor's routing, the H200 the concurrency."""
+    executor.prefix_cache.entries.clear()
+    executor.prefix_cache.size = 0
+    body = request_body(pattern_png(320, 224), speed_bench_questions(12), "image/png")
+    prepared = executor.prepare(json.loads(body))
+    work = prepared.planned[1]
+    assert {executor.lane_of(jp) for jp in work.joint} == {0}  # one lane on the CPU
+    one = without_latency(executor.answer(body))
+    routed = []
+    run = executor.backend.run
+
+    def recording(graph, feeds, outputs, lane=0):
+        routed.append((graph, lane))
+        return run(graph, feeds, outputs, lane=lane)
+
+    monkeypatch.setattr(executor.backend, "lanes", 2)
+    monkeypatch.setattr(executor.backend, "run", recording)
+    lanes = [executor.lane_of(jp) for jp in work.joint]
+    assert set(lanes) == {0, 1}
+    for jp, lane in zip(work.joint, lanes, strict=True):
+        assert lane == (jp.parts[0].rows.shape[1] > 8)
+    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(one)
+    assert [lane for graph, lane in routed if graph == "lm_joint"] == lanes
+    with pytest.raises(ValueError, match="lm_rows has no lane 1"):
+        run("lm_rows", {}, {}, lane=1)
+
+
 @pytest.mark.parametrize("parts", [1, 2])
 def test_joint_passes_give_the_readouts_of_separate_passes(executor, parts, monkeypatch):
     """A question pass and its option passes run as joint passes (one product per layer over

@@ -106,6 +106,14 @@ FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do
 # question, 37.5 → 38.0 for 12; docs/measurements/h200-2026-12-03d): those gaps were the stage
 # clock's host waits, and within a graph the kernels ran 0.4 µs apart (median)
 PDL = False
+# Joint passes in two lanes, each a CUDA stream of its own, run at once where the executor puts
+# them in both (Executor.lane_of): the 12 speed-bench questions' second joint pass (6.2 ms, 939
+# kernels of a few microseconds, most of the GPU idle in each) waited for the first (11.1 ms)
+# on one stream (h200-2026-12-03d). A lane has its own graphs, captured on its own stream,
+# and its own static inputs: torch keeps a cuBLAS workspace per (handle, stream) and a graph
+# replays with the workspace of the stream it was captured on, so graphs captured on one
+# stream must not replay at once (pytorch/pytorch#193402), nor two lanes copy into one buffer
+LANES = 2
 
 
 def versions() -> dict[str, str | None]:
@@ -287,6 +295,10 @@ class TorchBackend:
         self.table = padded_table(self.language.embed_tokens.weight.data)
         self.language.embed_tokens.weight.data = self.table[: self.vocab]
         self.functions = self.make_functions()
+        self.lanes = LANES if graphs and config.on(config.joint_lanes, cuda) else 1
+        # lane 0 is the caller's stream, its graphs captured on one stream of their own; each
+        # other lane runs and captures on its own stream (distinct streams of torch's pool)
+        self.streams = lane_streams(self.device, self.lanes) if self.lanes > 1 else [None]
         self.slots = {
             graph: GraphSlots(
                 self.device,
@@ -294,9 +306,21 @@ class TorchBackend:
                 launch=partial(self.launch, graph),
                 size=IMAGE_SLOTS if graph == IMAGE_GRAPH else GRAPH_SLOTS,
                 capture=graphs,
+                stream=self.streams[0],
             )
             for graph in (*VISION_GRAPHS, *LM_GRAPHS)
         }
+        self.lane_slots = [
+            GraphSlots(
+                self.device,
+                bind=partial(self.bind, lane=lane),
+                launch=partial(self.launch, JOINT_GRAPH),
+                size=GRAPH_SLOTS,
+                capture=graphs,
+                stream=self.streams[lane],
+            )
+            for lane in range(1, self.lanes)
+        ]
         self._dtypes = {graph: self.graph_dtypes(graph) for graph in self.slots}
         self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)  # the patches' lookup
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
@@ -437,9 +461,21 @@ class TorchBackend:
             return [*READOUT_OUTPUTS, *parts]
         return lm_output_names(self.config, graph == "lm_state")
 
+    def lane_stream(self, lane: int) -> torch.cuda.Stream | None:
+        """The stream a lane's joint passes run on; None for lane 0 (the caller's stream)."""
+        return self.streams[lane] if lane else None
+
     def run(
-        self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+        self,
+        graph: str,
+        feeds: dict[str, torch.Tensor],
+        outputs: dict[str, torch.Tensor],
+        lane: int = 0,
     ) -> None:
+        """One pass; a joint pass in `lane` > 0 replays that lane's graph, reading that lane's
+        static inputs (the caller has made the lane's stream current)."""
+        if lane and (graph != JOINT_GRAPH or lane >= self.lanes):
+            raise ValueError(f"{graph} has no lane {lane} (lanes: {self.lanes})")
         feeds = self.checked(graph, feeds)
         if graph in VISION_GRAPHS:
             if self.device.type != "cuda":
@@ -454,7 +490,8 @@ class TorchBackend:
             for name, out in states.items():
                 out.copy_(results[name])
         else:
-            results = self.slots[graph].run(signature(graph, body), body, states).outputs
+            slots = self.lane_slots[lane - 1] if lane else self.slots[graph]
+            results = slots.run(signature(graph, body), body, states).outputs
         if any(unprefixed(name) in READOUT_OUTPUTS for name in outputs):
             self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
 
@@ -499,32 +536,37 @@ class TorchBackend:
         return 0  # nothing builds in the background: compilation happens in prepare or run
 
     def stats(self) -> dict:
-        return {graph: slots.stats() for graph, slots in self.slots.items()}
+        lanes = {f"{JOINT_GRAPH}@{k + 1}": s.stats() for k, s in enumerate(self.lane_slots)}
+        return {**{graph: slots.stats() for graph, slots in self.slots.items()}, **lanes}
 
     # -- passes -----------------------------------------------------------------------------
 
     def checked(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return checked_feeds(graph, feeds, self._dtypes[graph], self.device)
 
-    def bind(self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict) -> Slot:
+    def bind(
+        self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict, lane: int = 0
+    ) -> Slot:
         """A slot's static inputs, shared by every slot with an input of that name and shape
         (passes run one at a time and each copies its feeds in just before its replay: one
         0.8 GB recurrent-state buffer serves every option-pass shape of the 4b); its outputs are
         whatever the launch returned last (during a capture: tensors of the graph's own pool,
-        rewritten by every replay)."""
+        rewritten by every replay). A lane's slots share the lane's buffers only."""
         inputs = {
-            name: self.state_buffer(name, tuple(tensor.shape), tensor.dtype)
+            name: self.state_buffer(name, tuple(tensor.shape), tensor.dtype, lane)
             for name, tensor in feeds.items()
         }
         return Slot(inputs=inputs, outputs={})
 
-    def state_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def state_buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, lane: int = 0
+    ) -> torch.Tensor:
         """The static input buffer a pass reads the input `name` of this shape from (`bind`
         makes every slot's inputs here): a question pass writes its states there, and the option
         passes after it read them without a copy in (0.8 GB of recurrent state per 16-row
         question pass of the 4b). The CPU lends too, so that the tests run the same order of
         writes and reads."""
-        key = (name, tuple(shape), dtype)
+        key = (name, tuple(shape), dtype) if not lane else (lane, name, tuple(shape), dtype)
         if key not in self.buffers:
             self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
         return self.buffers[key]
@@ -565,6 +607,15 @@ class TorchBackend:
             for at in range(0, count + pad, READOUT_PIECE)
         ]
         return torch.cat(pieces)[:count]
+
+
+def lane_streams(device: torch.device, lanes: int) -> list[torch.cuda.Stream]:
+    """`lanes` distinct streams: lane 0's capture stream, then each other lane's. torch hands
+    out its pooled streams in turn, so consecutive ones differ; the check says so."""
+    streams = [torch.cuda.Stream(device) for _ in range(lanes)]
+    if len({s.cuda_stream for s in streams}) != lanes:
+        raise RuntimeError(f"lanes need {lanes} distinct CUDA streams")
+    return streams
 
 
 def unprefixed(name: str) -> str:
