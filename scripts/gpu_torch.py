@@ -1179,7 +1179,14 @@ def reference_latency(workloads: dict) -> list[dict]:
     rows = []
     for name, (body, _) in workloads.items():
         times = bench.time_runs(reference.answer, body, REFERENCE_RUNS)
-        rows.append({"workload": name, "median_ms": 1e3 * statistics.median(times)})
+        rows.append(
+            {
+                "workload": name,
+                "median_ms": 1e3 * statistics.median(times),
+                "p90_ms": 1e3 * bench.quantile(times, 0.9),
+                "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
+            }
+        )
         log(f"reference {rows[-1]}")
     del reference
     gc.collect()

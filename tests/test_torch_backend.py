@@ -147,6 +147,8 @@ def test_joint_lanes_split_the_bench_passes_and_keep_the_answers(executor, monke
     prepared = executor.prepare(json.loads(body))
     work = prepared.planned[1]
     assert {executor.lane_of(jp) for jp in work.joint} == {0}  # one lane on the CPU
+    monkeypatch.setattr(executor, "config", executor.config.with_(early_heads=True))
+    assert executor.early_heads_on(work)  # two joint passes, one lane
     one = without_latency(executor.answer(body))
     routed = []
     run = executor.backend.run
@@ -159,6 +161,7 @@ def test_joint_lanes_split_the_bench_passes_and_keep_the_answers(executor, monke
     monkeypatch.setattr(executor.backend, "run", recording)
     lanes = [executor.lane_of(jp) for jp in work.joint]
     assert set(lanes) == {0, 1}
+    assert not executor.early_heads_on(work)  # passes in two lanes end together
     for jp, lane in zip(work.joint, lanes, strict=True):
         assert lane == (jp.parts[0].rows.shape[1] > 8)
     assert json.dumps(without_latency(executor.answer(body))) == json.dumps(one)
