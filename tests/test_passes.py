@@ -365,3 +365,52 @@ def test_unpadded_targets_keep_their_count(tokenizer):
     assert arrays["read_rows"].tolist() == padded["read_rows"].tolist()
     empty = work.prefix.arrays(pad=False)
     assert empty["target_rows"].tolist() == [0] and empty["target_tokens"].tolist() == [0]
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_host_readouts_take_each_read_where_the_plan_put_it(tokenizer, joint):
+    """Executor.HostReadouts gathers a pass's readouts in one indexing: each question's zq, u,
+    picked and first are the rows and entries its plan names (u from one pass or from several:
+    a 70-option question's four option passes apart, its one pass joined), float32."""
+    import numpy as np
+
+    from runtime.executor import HostReadouts
+
+    request = compile_request(parse_body(request_body(IMAGE, {**QUESTIONS, **choice_with(70)})))
+    prepared = prepare(request, tokenizer)
+    work = plan(prepared, QUESTION_ROWS, fit=joint, joint=joint)
+    rng = np.random.default_rng(0)
+
+    def outputs(p) -> tuple:
+        arrays = p.arrays(pad=False)
+        return (
+            rng.random((len(arrays["read_rows"]), 8), dtype=np.float32),
+            rng.random(len(arrays["target_rows"]), dtype=np.float32),
+        )
+
+    taken, zq, first, u, picked = HostReadouts(), {}, {}, {}, {}
+    passes = [
+        (qp, [op for op in work.options if op.question_pass == i])
+        for i, qp in enumerate(work.questions)
+    ]
+    passes += [(jp.question, jp.parts) for jp in work.joint]
+    for qp, ops in passes:
+        hidden, logprobs = outputs(qp.rows)
+        taken.take_question(qp, hidden, logprobs)
+        zq.update({qi: hidden[i] for qi, i in qp.zq_read.items()})
+        first.update({pair: float(logprobs[i]) for pair, i in qp.first_read.items()})
+        for op in ops:
+            hidden, logprobs = outputs(op.rows)
+            taken.take_options(op, hidden, logprobs)
+            u.update({pair: hidden[i] for pair, i in op.u_read.items()})
+            picked.update({pair: logprobs[i] for pair, i in op.text_reads.items()})
+    which = list(range(len(prepared.layouts)))[::-1]
+    for qi, got in zip(which, taken.collect(prepared, which), strict=True):
+        k = len(prepared.layouts[qi].rows)
+        assert got.zq.dtype == got.u.dtype == np.float32
+        assert np.array_equal(got.zq, zq[qi])
+        assert np.array_equal(got.u, np.stack([u[(qi, j)] for j in range(k)]))
+        assert got.first == [first.get((qi, j)) for j in range(k)]
+        for j, values in enumerate(got.picked):
+            assert values.dtype == np.float32
+            assert np.array_equal(values, picked.get((qi, j), np.zeros(0)))
