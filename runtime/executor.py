@@ -315,7 +315,7 @@ class Executor:
             if event is not None:
                 event.synchronize()
             arrays = [(hidden.numpy(), logprobs.numpy()) for hidden, logprobs in copies]
-            for (qp, _), (hidden, logprobs) in zip(asked, arrays, strict=False):
+            for (qp, _), (hidden, logprobs) in zip(asked, arrays[: len(asked)], strict=True):
                 taken.take_question(qp, hidden, logprobs)
             for (op, _), (hidden, logprobs) in zip(answered, arrays[len(asked) :], strict=True):
                 taken.take_options(op, hidden, logprobs)
@@ -345,9 +345,8 @@ class Executor:
 
     def copy_back(self, outputs: list[dict[str, torch.Tensor]]) -> tuple:
         """Passes' readouts copied into pinned host memory behind them in the stream, and the
-        event that says they are there: (event or None, [(hidden, logprobs) per output]). A
-        pageable copy a readout (`.cpu()`) waited for the device and copied at pageable speed
-        once per tensor, after the last pass."""
+        event that says they are there: (event or None, [(hidden, logprobs) per output]); in
+        place of a pageable `.cpu()` a tensor, each a wait and a copy at pageable speed."""
         if self.device.type != "cuda":
             return None, [(o["hidden"].float(), o["logprobs"].float()) for o in outputs]
         copies = []
