@@ -29,18 +29,20 @@ traced graph again, not inside an op (runtime.model.layers.FLOORS_IN_OP False), 
 comparison, `--folded-attention` the folded products in place of the attention kernel
 (runtime.backends.compiled.ATTENTION_KERNEL False), `--attention-chunk N` the kernel's
 shared keys in chunks of N (runtime.model.attention_kernels.CHUNK_KEYS), `--joint-parts N` N
-parts a joint pass (runtime.passes.JOINT_PARTS), `--pdl` / `--no-pdl` Inductor's
-programmatic dependent launch (runtime.backends.compiled.PDL);
+parts a joint pass (runtime.passes.JOINT_PARTS), `--recurrent-rows` option rows in the
+recurrent kernel, not the block kernel (runtime.model.gdn_kernels.OPTION_BLOCKS), `--pdl` /
+`--no-pdl` Inductor's programmatic dependent launch (runtime.backends.compiled.PDL);
 `cold --only-without` runs the start without caches alone, `cold --only-with` the start with
 the caches a previous call left (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
 `--no-crossover` the crossover of fla's kernels and our rows kernel (`final` only, after the
-engine's timings), `--no-kernels` the option-row tiles, `--no-reference` the reference's
-latency, `--no-parity` the float32 parity at the end of `final` (with the reference it ran
-past a 390-second guard); SWEEP_UNTIL_S bounds the sweep; a carried `.gpu-cache/` (the
-`caches.tar.xz.*` pieces a dev call returned) warms the compilers.
+engine's timings), `--no-kernels` the option-row tiles, `--no-recurrent` the GPU stages
+with option rows in the recurrent kernel beside the block kernel, `--no-reference` the
+reference's latency, `--no-parity` the float32 parity at the end of `final` (with the
+reference it ran past a 390-second guard); SWEEP_UNTIL_S bounds the sweep; a carried
+`.gpu-cache/` (the `caches.tar.xz.*` pieces a dev call returned) warms the compilers.
 
 fla-core goes to its own folder, named by FLA_PATH and on PYTHONPATH, so that the float32
 reference runs without it (see reference_answers):
@@ -90,6 +92,8 @@ CACHE_PACK = Path(".gpu-cache")
 CACHE_PIECE = "15m"  # $OUT returns files of at most 16 MiB
 # (value columns, warps) of the option-row kernel to time beside the fixed one
 TILES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
+# (token slots, value columns, warps) of the option rows' block kernel beside its fixed one
+BLOCK_TILES = [(64, 64, 8), (32, 64, 4), (64, 32, 4)]
 # rows of the products probed for row-count invariance: a pass's rows × tokens
 PRODUCT_ROWS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 1024]
 LOAD_CLIENTS = 8  # issue 13's closed-loop clients
@@ -162,7 +166,7 @@ def apply_flags() -> None:
     the attention kernel; `--attention-chunk N`: its shared keys in chunks of N (0: none);
     `--joint-parts N`: N parts a joint pass; `--pdl` / `--no-pdl`: Inductor's programmatic
     dependent launch on or off (in this process and the cold-start processes it starts, which
-    get the same flags)."""
+    get the same flags); `--recurrent-rows`: option rows in the recurrent kernel."""
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 
@@ -179,6 +183,10 @@ def apply_flags() -> None:
         from runtime import passes
 
         passes.JOINT_PARTS = flag_number("--joint-parts")
+    if "--recurrent-rows" in sys.argv:
+        from runtime.model import gdn_kernels
+
+        gdn_kernels.OPTION_BLOCKS = False
     if "--pdl" in sys.argv or "--no-pdl" in sys.argv:
         from runtime.backends import compiled
 
@@ -384,9 +392,59 @@ def option_rows_kernel() -> list[dict]:
                 "same_bytes": torch.equal(out, fixed),
                 "max_difference": (out.float() - fixed.float()).abs().max().item(),
             }
+        row["blocks"] = block_kernel_tiles(args, fla_gathered(), b, t, sources)
         rows.append(row)
         log(f"option rows {row}")
     return rows
+
+
+def block_kernel_tiles(args: tuple, expected, b: int, t: int, sources: int) -> dict:
+    """The block kernel (gdn_kernels.option_blocks) at each of BLOCK_TILES on `args`: its
+    CUDA-graph replays, its largest difference to fla's recurrent kernel (`expected`), and on
+    padded rows whether each row keeps its bytes with the rows reversed and alone."""
+    import torch
+
+    from runtime.model import gdn_kernels
+
+    if t > gdn_kernels.BLOCK_MAX_TOKENS:
+        return {}
+    found = {}
+    padded = option_rows_inputs(b, t, sources, padded=True)
+    reverse = torch.arange(b - 1, -1, -1, device="cuda")
+    for tokens, block_v, warps in BLOCK_TILES:
+        tile = partial(gdn_kernels.option_blocks, block_tokens=tokens, block_v=block_v, warps=warps)
+        name = f"{tokens}x{block_v}x{warps}"
+        try:
+            out = tile(*args)
+            found[name] = {
+                "ms": round(graph_ms(partial(tile, *args)), 4),
+                "max_difference": (out.float() - expected.float()).abs().max().item(),
+                "same_bytes_reversed_alone": same_rows(tile, padded, reverse),
+            }
+        except Exception as error:  # a tile this Triton or GPU refuses (shared memory, say)
+            found[name] = {"error": repr(error)[:300]}
+    return found
+
+
+def same_rows(kernel, args: tuple, reverse) -> bool:
+    """Whether each row of the kernel's output keeps its bytes with the rows reversed, and
+    the first and last rows alone."""
+    import torch
+
+    q, k, v, g, beta, states, src, lengths, scale = args
+    b = q.shape[0]
+
+    def rows(index):
+        return kernel(
+            q[index], k[index], v[index], g[index], beta[index], states, src[index],
+            lengths[index], scale,
+        )  # fmt: skip
+
+    whole = rows(slice(None))
+    same = torch.equal(rows(reverse), whole[reverse])
+    for n in (0, b - 1):
+        same = same and torch.equal(rows(slice(n, n + 1)), whole[n : n + 1])
+    return same
 
 
 def attention_inputs(b: int, t: int, p: int, past: int) -> tuple:
@@ -712,6 +770,41 @@ def settings(executor, **changes):
         yield executor
     finally:
         executor.config = kept
+
+
+def recurrent_rows(executor, workloads: dict) -> dict:
+    """The GPU stages with option rows in the recurrent kernel (gdn_kernels.OPTION_BLOCKS
+    off: every graph captured again), beside the block kernel's default; and how far each
+    workload's answers move between the two."""
+    from runtime.model import gdn_kernels
+    from tools import bench
+
+    if not gdn_kernels.OPTION_BLOCKS:
+        return {}
+    blocks = {n: executor.answer(b) for n, (b, _) in workloads.items()}
+    gdn_kernels.OPTION_BLOCKS = False
+    try:
+        drop_graphs(executor.backend)
+        stages = gpu_stages(executor, workloads)
+        moved = {}
+        for name, (body, _) in workloads.items():
+            compared = bench.compare(executor.answer(body), blocks[name])
+            moved[name] = {
+                "max_difference": max(compared["differences"]),
+                "flips": compared["flips"],
+            }
+        return {"gpu_stages": stages, "answers": moved}
+    finally:
+        gdn_kernels.OPTION_BLOCKS = True
+        drop_graphs(executor.backend)
+
+
+def drop_graphs(backend) -> None:
+    """Every captured CUDA graph of the torch backend dropped: each pass runs eagerly once
+    and is captured again, with whatever the kernels' settings are now."""
+    for slots in (*backend.slots.values(), *getattr(backend, "lane_slots", ())):
+        for slot in slots.slots.values():
+            slot.graph, slot.launches = None, 0
 
 
 def one_lane(executor, workloads: dict) -> list[dict]:
@@ -1414,6 +1507,8 @@ def session(final: bool) -> None:
     attempt(report, "gpu_stages", gpu_stages, executor, workloads)
     report["lanes"] = getattr(executor.backend, "lanes", 1)
     attempt(report, "one_lane", one_lane, executor, workloads)
+    if not TINY and "--no-recurrent" not in sys.argv:
+        attempt(report, "recurrent_rows", recurrent_rows, executor, workloads)
     report["warm_stats"] = executor.backend.stats()
     attempt(report, "invariance", invariance, executor)
     if executor.pass_shape()[1] and "--no-fixed" not in sys.argv:
@@ -1636,6 +1731,10 @@ def summarise(report: dict) -> None:
         summary += ["GPU stages", latency_table(report["gpu_stages"])]
     if report.get("one_lane"):
         summary += ["GPU stages, one lane", latency_table(report["one_lane"])]
+    if isinstance(report.get("recurrent_rows"), dict) and report["recurrent_rows"]:
+        rows = report["recurrent_rows"]
+        summary += ["GPU stages, option rows in the recurrent kernel",
+                    latency_table(rows["gpu_stages"]), json.dumps(rows["answers"])]  # fmt: skip
     if isinstance(report.get("fixed_rows"), list):
         summary += ["GPU stages, fixed rows", latency_table(report["fixed_rows"])]
     separate = report.get("separate_passes")

@@ -1,8 +1,8 @@
-"""The torch backend's own Gated DeltaNet kernel for short rows (runtime.model.gdn_kernels)
-against the eager chunked core on per-row gathered states; run by Triton's interpreter on the
-CPU (Triton is a dev dependency; scripts/gpu_torch.py checks the kernel on the H200 against
-fla-core on the 4b shapes), skipped where Triton is missing. And the executor's upload and
-stage clock."""
+"""The torch backend's own Gated DeltaNet kernels for short rows and for option rows in blocks
+(runtime.model.gdn_kernels) against the eager chunked core on per-row gathered states; run by
+Triton's interpreter on the CPU (Triton is a dev dependency; scripts/gpu_torch.py checks the
+kernels on the H200 against fla-core on the 4b shapes), skipped where Triton is missing. And
+the executor's upload and stage clock."""
 
 from __future__ import annotations
 
@@ -58,6 +58,47 @@ def test_rows_kernel_matches_the_eager_core():
     of one conv output with 0 to 6 valid tokens, outputs alike with or without the state."""
     outputs, states = (float(x) for x in run_interpreted(KERNEL_CHECK)[-2:])
     assert outputs < 1e-5 and states < 1e-5
+
+
+BLOCKS_CHECK = textwrap.dedent(
+    """
+    import torch
+    from runtime.model import gdn_kernels
+    from runtime.model.gdn import gated_delta_eager, l2norm
+
+    torch.manual_seed(0)
+    heads, value_heads, dk, dv = 2, 4, 32, 64
+    for b, t, sources in ((19, 8, 3), (3, 20, 1)):
+        q, k = torch.randn(b, t, heads, dk), torch.randn(b, t, heads, dk)
+        v = torch.randn(b, t, value_heads, dv)
+        lengths = torch.randint(0, t + 1, (b,))
+        lengths[0] = t
+        valid = (torch.arange(t)[None] < lengths[:, None])[..., None]
+        g = torch.where(valid, -torch.rand(b, t, value_heads), 0.0)
+        beta = torch.where(valid, torch.rand(b, t, value_heads), 0.0)
+        states = torch.randn(sources, value_heads, dk, dv) * 0.1
+        src = torch.randint(0, sources, (b,)).sort().values
+        out = gdn_kernels.option_blocks(
+            q, k, v, g, beta, states, src, lengths, dk**-0.5, block_tokens=32)
+        assert (out[~valid[..., 0]] == 0).all()  # padded tokens' outputs are zeros
+
+        def per_value_head(x):
+            return x.repeat_interleave(value_heads // heads, dim=2)
+
+        expected, _ = gated_delta_eager(
+            l2norm(per_value_head(q)) * dk**-0.5, l2norm(per_value_head(k)), v, g, beta,
+            states[src])
+        print(float((out - expected)[valid[..., 0]].abs().max()))
+    """
+)
+
+
+def test_option_blocks_kernel_matches_the_eager_core():
+    """The block kernel (several rows a program, their sources' states through products, a
+    row's own tokens solved per row) against the eager core on gathered states: rows of 8
+    tokens from three sources, and rows of 20 tokens in 32 slots, 0 to all tokens valid."""
+    differences = [float(x) for x in run_interpreted(BLOCKS_CHECK)[-2:]]
+    assert max(differences) < 1e-5
 
 
 def test_option_rows_kernel_is_a_custom_op_with_a_fake():

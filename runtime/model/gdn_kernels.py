@@ -1,9 +1,12 @@
 """The Gated DeltaNet cores of the torch backend on CUDA, as PyTorch custom ops so that
 `torch.compile` keeps a pass in one graph: fla-core's kernels for passes that carry their state
-on, and our own recurrent kernel for option rows, which read their question's state in place.
+on, our own recurrent kernel for short rows, and for option rows in half precision a block
+kernel that reads their questions' states once, through matrix products.
 
 Follows the gated delta rule of model.md §3 (S ← e^g S; v' = β(v − Sᵀk); S ← S + k v'ᵀ;
-o = Sᵀq, q and k l2-normalised with eps 1e-6 and q scaled), fla-core's fused recurrent form.
+o = Sᵀq, q and k l2-normalised with eps 1e-6 and q scaled), fla-core's fused recurrent form,
+and for the block kernel the same rule unrolled over a row from its initial state (fla-core's
+chunked form with one chunk a row).
 """
 
 from __future__ import annotations
@@ -39,6 +42,26 @@ ROWS_PREFETCH = True
 # chunked / fla recurrent): 1 × 16 0.013 / 0.026 / 0.020, 16 × 16 0.057 / 0.130 / 0.102,
 # 8 × 32 0.055 / 0.080 / 0.106, 1 × 64 0.043 / 0.038 / 0.072 (docs/measurements/h200-2026-12-03b)
 ROWS_MAX_TOKENS = 32
+# Option rows in half precision run the block kernel: every option row of a question starts
+# from the same state S0, so S0 enters through two matrix products over a block of rows' tokens
+# (Kᵀ and Q against S0 on the tensor cores, S0 read once a block), and what is left of the rule
+# is a row's own tokens against each other, [T, T] a row. The recurrent kernel re-reads S0 per
+# row and walks its tokens one by one with four sums over 128 keys a token: 8.8 ms of the
+# 255-option pass's 47 ms on the H200 (h200-2026-12-03d traces). Every step keeps a row's values
+# to itself (the products' rows are independent; the [T, T] steps are per-row tiles), so a row's
+# bytes do not follow the other rows of its block. Float32 passes keep the recurrent kernel,
+# whose arithmetic is float32 throughout (the float32 parity allows no TF32)
+OPTION_BLOCKS = True
+BLOCK_TOKENS = 64  # token slots a program: 8 rows of 8, 4 of 16, 2 of 32 (the products' M)
+BLOCK_V = 64  # value columns a program
+BLOCK_WARPS = 8
+BLOCK_MAX_TOKENS = 32  # longer rows' [T, T] tiles leave the registers: the recurrent kernel
+# the products against the float32 state take it as this many half-precision terms (the
+# state less the terms before): q and k are the model's half-precision values, so each product
+# is exact but for its float32 sums, and two terms carry 16 of the state's 24 bits, far below
+# the outputs' own half-precision rounding; in registers, q and k take half the room of float32
+BLOCK_SPLIT = 2
+BLOCK_KEYS = 32  # keys a step of the block kernel's products reads
 
 
 @torch.library.custom_op("omnijev::fla_gated_delta", mutates_args=())
@@ -164,6 +187,131 @@ if triton is not None:
             kept = final + (i_n * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
             tl.store(kept, h)
 
+    @triton.jit
+    def _option_blocks_kernel(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        states,
+        src,
+        lengths,
+        out,
+        scale,
+        B,
+        T: tl.constexpr,
+        TP: tl.constexpr,
+        R: tl.constexpr,
+        H: tl.constexpr,
+        HV: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BV: tl.constexpr,
+        EPS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        KC: tl.constexpr,
+    ):
+        """One program: R rows of T tokens (TP slots each, T's power of two), one value head,
+        BV value columns. With G a row's cumulative gates, S0 its source state and A[t, s] =
+        e^(G_t−G_s) k_t·k_s, P[t, s] = e^(G_t−G_s) q_t·k_s:
+        u_t = β_t(v_t − e^G_t S0ᵀk_t − Σ_(s<t) A[t, s] u_s) and
+        o_t = e^G_t S0ᵀq_t + Σ_(s≤t) P[t, s] u_s; zeros past a row's length."""
+        i_v = tl.program_id(0)
+        i_hv = tl.program_id(1)
+        i_b = tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        flat = tl.arange(0, R * TP)
+        row = i_b * R + flat // TP
+        step = flat % TP
+        inside = row < B
+        length = tl.load(lengths + row, mask=inside, other=0)
+        live = inside & (step < length)
+        token = row * T + step
+        o_v = i_v * BV + tl.arange(0, BV)
+        at_qk = (token * H + i_h)[:, None] * K
+        # the tokens against each other (K Kᵀ, Q Kᵀ) and the l2 norms
+        q_sq = tl.zeros([R * TP], dtype=tl.float32)
+        k_sq = tl.zeros([R * TP], dtype=tl.float32)
+        kk = tl.zeros([R * TP, R * TP], dtype=tl.float32)
+        qk = tl.zeros([R * TP, R * TP], dtype=tl.float32)
+        for c in tl.range(0, K // KC, num_stages=1):
+            o_c = c * KC + tl.arange(0, KC)
+            b_k = tl.load(k + at_qk + o_c[None, :], mask=live[:, None], other=0.0)
+            b_q = tl.load(q + at_qk + o_c[None, :], mask=live[:, None], other=0.0)
+            wide = b_q.to(tl.float32)
+            q_sq += tl.sum(wide * wide, 1)
+            wide = b_k.to(tl.float32)
+            k_sq += tl.sum(wide * wide, 1)
+            kk = tl.dot(b_k, tl.trans(b_k), kk)
+            qk = tl.dot(b_q, tl.trans(b_k), qk)
+        r_q = scale / tl.sqrt(q_sq + EPS)
+        r_k = 1.0 / tl.sqrt(k_sq + EPS)
+        b_g = tl.load(g + token * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + token * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        # a row's own block of K Kᵀ and Q Kᵀ, [R, TP, TP]
+        rows_a = tl.arange(0, R)[:, None, None, None]
+        rows_b = tl.arange(0, R)[None, None, :, None]
+        kk = kk * r_k[:, None] * r_k[None, :]
+        kk = tl.sum(tl.where(rows_a == rows_b, tl.reshape(kk, [R, TP, R, TP]), 0.0), 2)
+        qk = qk * r_q[:, None] * r_k[None, :]
+        qk = tl.sum(tl.where(rows_a == rows_b, tl.reshape(qk, [R, TP, R, TP]), 0.0), 2)
+        cum = tl.cumsum(tl.reshape(b_g, [R, TP]), 1)
+        steps = tl.arange(0, TP)
+        t_of = steps[None, :, None]
+        s_of = steps[None, None, :]
+        upto = s_of <= t_of
+        decay = tl.where(upto, tl.exp(tl.where(upto, cum[:, :, None] - cum[:, None, :], 0.0)), 0.0)
+        lower = tl.where(s_of < t_of, decay * kk, 0.0) * tl.reshape(b_beta, [R, TP])[:, :, None]
+        # (I + lower)⁻¹ by forward substitution, then W = P (I + lower)⁻¹: u = (I + lower)⁻¹ rhs
+        # gives o = e^G S0ᵀq + W rhs
+        solved = tl.where(s_of == t_of, 1.0, 0.0) + tl.zeros([R, TP, TP], dtype=tl.float32)
+        for t in tl.static_range(1, TP):
+            at = t_of == t
+            a_t = tl.sum(tl.where(at, lower, 0.0), 1)  # [R, TP]: lower[t, s]
+            row_t = tl.sum(a_t[:, :, None] * solved, 1)  # [R, TP]: Σ_s lower[t, s] solved[s]
+            solved = tl.where(at, solved - row_t[:, None, :], solved)
+        mixed = decay * qk
+        weights = tl.sum(mixed[:, :, :, None] * solved[:, None, :, :], 2)
+        # one product over the block's tokens with W's blocks on its diagonal: a row's terms
+        # are its own, the others exact zeros, summed in the tokens' order (float32, no TF32)
+        block = tl.where(rows_a == rows_b, weights[:, :, None, :], 0.0)
+        block = tl.reshape(block, [R * TP, R * TP])
+        # S0ᵀk and S0ᵀq of every token, a source at a time (rows are sorted by source), KC keys
+        # a step: q and k in their half precision, the products' exact operands (the l2 norms
+        # scale the products' rows afterwards), the float32 state as SPLIT half-precision
+        # terms. Another source's rows enter a product as zero rows, which add exact zeros
+        sources = tl.load(src + row, mask=inside, other=0)
+        none = 1 << 30
+        source = tl.min(tl.where(inside, sources, none))
+        ks = tl.zeros([R * TP, BV], dtype=tl.float32)
+        qs = tl.zeros([R * TP, BV], dtype=tl.float32)
+        while source < none:
+            mine = (live & (sources == source))[:, None]
+            tile = states + (source * HV + i_hv) * K * V + o_v[None, :]
+            for c in tl.range(0, K // KC, num_stages=1):
+                o_c = c * KC + tl.arange(0, KC)
+                b_k = tl.load(k + at_qk + o_c[None, :], mask=mine, other=0.0)
+                b_q = tl.load(q + at_qk + o_c[None, :], mask=mine, other=0.0)
+                rest = tl.load(tile + o_c[:, None] * V)
+                part = rest.to(b_k.dtype)
+                ks = tl.dot(b_k, part, ks)
+                qs = tl.dot(b_q, part, qs)
+                for _ in tl.static_range(SPLIT - 1):
+                    rest = rest - part.to(tl.float32)
+                    part = rest.to(b_k.dtype)
+                    ks = tl.dot(b_k, part, ks)
+                    qs = tl.dot(b_q, part, qs)
+            source = tl.min(tl.where(inside & (sources > source), sources, none))
+        at_v = (token * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + at_v, mask=live[:, None], other=0.0).to(tl.float32)
+        gamma = tl.exp(tl.reshape(cum, [R * TP]))[:, None]
+        rhs = b_beta[:, None] * (b_v - gamma * ks * r_k[:, None])
+        b_o = gamma * qs * r_q[:, None] + tl.dot(block, rhs, input_precision="tf32x3")
+        b_o = tl.where(live[:, None], b_o, 0.0)
+        kept = inside & (step < T)
+        tl.store(out + at_v, b_o.to(out.dtype.element_ty), mask=kept[:, None])
+
 
 @torch.library.custom_op("omnijev::option_rows_gated_delta", mutates_args=())
 def option_rows_gated_delta(
@@ -183,8 +331,16 @@ def option_rows_gated_delta(
     [B, T, HV]. The kernel walks each row's first
     `lengths[n]` tokens and writes zeros after them: a padded token (g = β = 0) leaves the
     state as it is and no valid token reads its output (h200-2026-12-02h: 1,675 of the
-    255-option pass's 2,048 tokens)."""
+    255-option pass's 2,048 tokens). Half-precision rows of at most BLOCK_MAX_TOKENS tokens
+    take the block kernel (OPTION_BLOCKS), the others the recurrent one."""
+    if blocks_fit(q):
+        return option_blocks(q, k, v, g, beta, states, src, lengths, scale)
     return option_rows(q, k, v, g, beta, states, src, lengths, scale)
+
+
+def blocks_fit(q: torch.Tensor) -> bool:
+    """Whether option rows shaped as q [B, T, H, dk] run the block kernel."""
+    return OPTION_BLOCKS and q.dtype != torch.float32 and q.shape[1] <= BLOCK_MAX_TOKENS
 
 
 @option_rows_gated_delta.register_fake
@@ -274,3 +430,61 @@ def option_rows(
         num_warps=warps,
     )
     return (out, final) if state else out
+
+
+def option_blocks(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    states,
+    src,
+    lengths,
+    scale,
+    block_tokens=BLOCK_TOKENS,
+    block_v=BLOCK_V,
+    warps=BLOCK_WARPS,
+    split=BLOCK_SPLIT,
+):
+    """The block kernel at a given tile (token slots and value columns a program, warps) and
+    number of the state's terms; the custom op runs the fixed BLOCK_* settings,
+    scripts/gpu_torch.py times others. q and k in half precision (the products' operands);
+    rows sorted by source, as plans give them (any order is right, but a block then reads
+    each of its sources)."""
+    if triton is None:
+        raise RuntimeError("the block kernel needs triton")
+    b, t, heads, dk = q.shape
+    value_heads, dv = v.shape[2], v.shape[3]
+    if dv % block_v or dk & (dk - 1) or value_heads % heads or t > BLOCK_MAX_TOKENS:
+        raise ValueError(f"block kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}, t {t}")
+    slots = triton.next_power_of_2(t)
+    rows = max(1, block_tokens // slots)
+    out = v.new_empty(b, t, value_heads, dv)
+    grid = (dv // block_v, value_heads, triton.cdiv(b, rows))
+    _option_blocks_kernel[grid](
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        states.contiguous(),
+        src.contiguous(),
+        lengths.contiguous(),
+        out,
+        scale,
+        b,
+        T=t,
+        TP=slots,
+        R=rows,
+        H=heads,
+        HV=value_heads,
+        K=dk,
+        V=dv,
+        BV=block_v,
+        EPS=L2_EPS,
+        SPLIT=split,
+        KC=BLOCK_KEYS,
+        num_warps=warps,
+    )
+    return out
