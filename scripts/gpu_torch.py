@@ -93,7 +93,7 @@ CACHE_PIECE = "15m"  # $OUT returns files of at most 16 MiB
 # (value columns, warps) of the option-row kernel to time beside the fixed one
 TILES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]
 # (token slots, value columns, warps) of the option rows' block kernel beside its fixed one
-BLOCK_TILES = [(64, 64, 8), (32, 64, 4), (64, 32, 4)]
+BLOCK_TILES = [(32, 64, 4), (16, 64, 4), (16, 64, 2), (32, 32, 4), (32, 128, 4)]
 # rows of the products probed for row-count invariance: a pass's rows × tokens
 PRODUCT_ROWS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 1024]
 LOAD_CLIENTS = 8  # issue 13's closed-loop clients

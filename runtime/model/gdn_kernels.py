@@ -48,20 +48,36 @@ ROWS_MAX_TOKENS = 32
 # is a row's own tokens against each other, [T, T] a row. The recurrent kernel re-reads S0 per
 # row and walks its tokens one by one with four sums over 128 keys a token: 8.8 ms of the
 # 255-option pass's 47 ms on the H200 (h200-2026-12-03d traces). Every step keeps a row's values
-# to itself (the products' rows are independent; the [T, T] steps are per-row tiles), so a row's
-# bytes do not follow the other rows of its block. Float32 passes keep the recurrent kernel,
-# whose arithmetic is float32 throughout (the float32 parity allows no TF32)
+# to itself (the products' rows are independent; the [T, T] steps are per-row tiles; the one
+# product over the block's tokens sees another row's terms as exact zeros), so a row's bytes do
+# not follow the other rows of its block: on the H200 each row kept its bytes with the rows
+# reversed and alone, at every tile (h200-2026-12-04b). Float32 passes keep the recurrent
+# kernel, whose arithmetic is float32 throughout (the float32 parity allows no TF32)
 OPTION_BLOCKS = True
-BLOCK_TOKENS = 64  # token slots a program: 8 rows of 8, 4 of 16, 2 of 32 (the products' M)
-BLOCK_V = 64  # value columns a program
-BLOCK_WARPS = 8
-BLOCK_MAX_TOKENS = 32  # longer rows' [T, T] tiles leave the registers: the recurrent kernel
+# token slots and value columns a program, and its warps: on the H200 (4b shapes, every token
+# valid, CUDA-graph replays) 256 × 8 from one source took 0.169 ms at 32 × 64 × 4, 0.333 at
+# 64 × 64 × 8, 0.247 at 64 × 32 × 4; 64 × 8 from 16 sources 0.068 / 0.153 / 0.094
+# (h200-2026-12-04b, call 1)
+BLOCK_TOKENS = 32
+BLOCK_V = 64
+BLOCK_WARPS = 4
+# Rows of 24 tokens were slower in blocks than in the recurrent kernel (4 × 24: 0.026 ms
+# against 0.020; 16 × 24 from 16 sources 0.100 against 0.082), rows of 16 faster (32 × 16 from
+# 16 sources 0.067 against 0.115): longer rows keep the recurrent kernel
+BLOCK_MAX_TOKENS = 16
 # the products against the float32 state take it as this many half-precision terms (the
 # state less the terms before): q and k are the model's half-precision values, so each product
 # is exact but for its float32 sums, and two terms carry 16 of the state's 24 bits, far below
 # the outputs' own half-precision rounding; in registers, q and k take half the room of float32
 BLOCK_SPLIT = 2
 BLOCK_KEYS = 32  # keys a step of the block kernel's products reads
+# The short causal conv before the core as one kernel a layer (`short_conv`): Inductor made
+# two of it, the past and the row's own inputs joined and each output's taps gathered, then
+# the taps' multiply-adds (2.3 + 2.0 ms of the 255-option pass on the H200, 24 layers;
+# h200-2026-12-04b traces), where it only needs its inputs read once and its outputs written
+CONV_KERNEL = True
+CONV_TOKENS = 8  # token slots a program
+CONV_CHANNELS = 256  # channels a program
 
 
 @torch.library.custom_op("omnijev::fla_gated_delta", mutates_args=())
@@ -312,6 +328,67 @@ if triton is not None:
         kept = inside & (step < T)
         tl.store(out + at_v, b_o.to(out.dtype.element_ty), mask=kept[:, None])
 
+    @triton.jit
+    def _short_conv_kernel(
+        raw,
+        past,
+        weight,
+        lengths,
+        out,
+        state,
+        T,
+        C,
+        KEEP: tl.constexpr,
+        KP: tl.constexpr,
+        TAPS: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        """One program: BT token slots of one row, BC channels. A slot's taps read the row's
+        joined inputs (KEEP past columns, then its own T), the sum in float32 in the taps'
+        order, rounded to the inputs' dtype, then SiLU; the first program of a row also writes
+        the KEEP joined inputs from the row's length on (its conv state; KP: KEEP's power of
+        two)."""
+        i_t = tl.program_id(0)
+        i_c = tl.program_id(1)
+        i_b = tl.program_id(2).to(tl.int64)
+        o_t = i_t * BT + tl.arange(0, BT)
+        o_c = i_c * BC + tl.arange(0, BC)
+        channel = o_c < C
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            w = tl.load(weight + j * C + o_c, mask=channel, other=0.0)
+            acc += joined(raw, past, i_b, o_t + j, o_c, channel, T, C, KEEP) * w[None, :]
+        x = acc.to(out.dtype.element_ty).to(tl.float32)
+        y = x / (1.0 + tl.exp(-x))
+        at = (i_b * T + o_t)[:, None] * C + o_c[None, :]
+        tl.store(out + at, y.to(out.dtype.element_ty), mask=(o_t < T)[:, None] & channel[None, :])
+        if i_t == 0:
+            length = tl.load(lengths + i_b)
+            o_j = tl.arange(0, KP)
+            kept = joined(raw, past, i_b, length + o_j, o_c, channel, T, C, KEEP)
+            at = (i_b * C + o_c)[None, :] * KEEP + o_j[:, None]
+            kept = kept.to(state.dtype.element_ty)
+            tl.store(state + at, kept, mask=(o_j < KEEP)[:, None] & channel[None, :])
+
+    @triton.jit
+    def joined(raw, past, i_b, column, o_c, channel, T, C, KEEP: tl.constexpr):
+        """Columns [N] of a row's joined inputs (KEEP past columns, then T own) at channels
+        o_c, as float32; zeros past the end."""
+        mine = (column >= KEEP) & (column < KEEP + T)
+        before = column < KEEP
+        own = tl.load(
+            raw + (i_b * T + column - KEEP)[:, None] * C + o_c[None, :],
+            mask=mine[:, None] & channel[None, :],
+            other=0.0,
+        )
+        old = tl.load(
+            past + (i_b * C + o_c)[None, :] * KEEP + column[:, None],
+            mask=before[:, None] & channel[None, :],
+            other=0.0,
+        )
+        return tl.where(before[:, None], old.to(tl.float32), own.to(tl.float32))
+
 
 @torch.library.custom_op("omnijev::option_rows_gated_delta", mutates_args=())
 def option_rows_gated_delta(
@@ -488,3 +565,42 @@ def option_blocks(
         num_warps=warps,
     )
     return out
+
+
+@torch.library.custom_op("omnijev::short_conv", mutates_args=())
+def short_conv(
+    raw: torch.Tensor, past: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's causal depthwise conv and SiLU: raw [B, T, C] (half precision),
+    the past [B, C, K-1] in raw's dtype, weight float32 [K, C], lengths [B]. Returns
+    SiLU(conv) [B, T, C] in raw's dtype and the conv state [B, C, K-1]: the joined inputs'
+    K-1 columns from each row's length on (runtime.model.language's `conv`, one kernel)."""
+    if triton is None:
+        raise RuntimeError("the conv kernel needs triton")
+    b, t, c = raw.shape
+    taps = weight.shape[0]
+    out = raw.new_empty(b, t, c)
+    state = raw.new_empty(b, c, taps - 1)
+    grid = (triton.cdiv(t, CONV_TOKENS), triton.cdiv(c, CONV_CHANNELS), b)
+    _short_conv_kernel[grid](
+        raw.contiguous(),
+        past.contiguous(),
+        weight.contiguous(),
+        lengths.contiguous(),
+        out,
+        state,
+        t,
+        c,
+        KEEP=taps - 1,
+        KP=triton.next_power_of_2(taps - 1),
+        TAPS=taps,
+        BT=CONV_TOKENS,
+        BC=CONV_CHANNELS,
+    )
+    return out, state
+
+
+@short_conv.register_fake
+def _(raw, past, weight, lengths):
+    b, t, c = raw.shape
+    return raw.new_empty(b, t, c), raw.new_empty(b, c, weight.shape[0] - 1)
