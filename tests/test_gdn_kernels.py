@@ -68,7 +68,7 @@ BLOCKS_CHECK = textwrap.dedent(
 
     torch.manual_seed(0)
     heads, value_heads, dk, dv = 2, 4, 32, 64
-    for b, t, sources in ((19, 8, 3), (3, 20, 1)):
+    for b, t, sources in ((19, 8, 3), (3, 12, 1)):
         q, k = torch.randn(b, t, heads, dk), torch.randn(b, t, heads, dk)
         v = torch.randn(b, t, value_heads, dv)
         lengths = torch.randint(0, t + 1, (b,))
@@ -96,7 +96,7 @@ BLOCKS_CHECK = textwrap.dedent(
 def test_option_blocks_kernel_matches_the_eager_core():
     """The block kernel (several rows a program, their sources' states through products, a
     row's own tokens solved per row) against the eager core on gathered states: rows of 8
-    tokens from three sources, and rows of 20 tokens in 32 slots, 0 to all tokens valid."""
+    tokens from three sources, and rows of 12 tokens in 16 slots, 0 to all tokens valid."""
     differences = [float(x) for x in run_interpreted(BLOCKS_CHECK)[-2:]]
     assert max(differences) < 1e-5
 
