@@ -367,9 +367,9 @@ if triton is not None:
             length = tl.load(lengths + i_b)
             o_j = tl.arange(0, KP)
             kept = joined(raw, past, i_b, length + o_j, o_c, channel, T, C, KEEP)
-            at = (i_b * C + o_c)[None, :] * KEEP + o_j[:, None]
+            kept_at = (i_b * C + o_c)[None, :] * KEEP + o_j[:, None]
             kept = kept.to(state.dtype.element_ty)
-            tl.store(state + at, kept, mask=(o_j < KEEP)[:, None] & channel[None, :])
+            tl.store(state + kept_at, kept, mask=(o_j < KEEP)[:, None] & channel[None, :])
 
     @triton.jit
     def joined(raw, past, i_b, column, o_c, channel, T, C, KEEP: tl.constexpr):
