@@ -55,15 +55,16 @@ ROWS_MAX_TOKENS = 32
 # kernel, whose arithmetic is float32 throughout (the float32 parity allows no TF32)
 OPTION_BLOCKS = True
 # token slots and value columns a program, and its warps: on the H200 (4b shapes, every token
-# valid, CUDA-graph replays) 256 × 8 from one source took 0.169 ms at 32 × 64 × 4, 0.333 at
-# 64 × 64 × 8, 0.247 at 64 × 32 × 4; 64 × 8 from 16 sources 0.068 / 0.153 / 0.094
-# (h200-2026-12-04b, call 1)
+# valid, CUDA-graph replays) 256 × 8 from one source took 0.167 ms at 32 × 64 × 4, 0.333 at
+# 64 × 64 × 8, against 0.405 in the recurrent kernel; 64 × 8 from 16 sources 0.067 / 0.153 /
+# 0.111 (h200-2026-12-04b, calls 1 and 2). 16 × 64 × 2 was faster still on every shape (0.129,
+# 0.046) but has not run in whole passes, which were measured at 32 × 64 × 4
 BLOCK_TOKENS = 32
 BLOCK_V = 64
 BLOCK_WARPS = 4
 # Rows of 24 tokens were slower in blocks than in the recurrent kernel (4 × 24: 0.026 ms
-# against 0.020; 16 × 24 from 16 sources 0.100 against 0.082), rows of 16 faster (32 × 16 from
-# 16 sources 0.067 against 0.115): longer rows keep the recurrent kernel
+# against 0.025; 16 × 24 from 16 sources 0.100 against 0.081), rows of 16 faster (32 × 16 from
+# 16 sources 0.066 against 0.113): longer rows keep the recurrent kernel
 BLOCK_MAX_TOKENS = 16
 # the products against the float32 state take it as this many half-precision terms (the
 # state less the terms before): q and k are the model's half-precision values, so each product
@@ -71,10 +72,13 @@ BLOCK_MAX_TOKENS = 16
 # the outputs' own half-precision rounding; in registers, q and k take half the room of float32
 BLOCK_SPLIT = 2
 BLOCK_KEYS = 32  # keys a step of the block kernel's products reads
-# The short causal conv before the core as one kernel a layer (`short_conv`): Inductor made
-# two of it, the past and the row's own inputs joined and each output's taps gathered, then
-# the taps' multiply-adds (2.3 + 2.0 ms of the 255-option pass on the H200, 24 layers;
-# h200-2026-12-04b traces), where it only needs its inputs read once and its outputs written
+# The short causal conv before the core as one kernel a layer (`short_conv`): Inductor made two
+# of it, the past and the row's own inputs joined and each output's taps gathered, then the
+# taps' multiply-adds (2.3 + 2.0 ms of the 255-option pass on the H200, 24 layers). Ours took
+# 3.2 ms for its 48 calls (question parts and options), but its input, a column slice of the
+# fused input projection, reaches it as a copy (about 1.2 ms more), so no gain yet
+# (h200-2026-12-04b, calls 1 and 3); reading the slice in place and writing no state for
+# option rows are what is left
 CONV_KERNEL = True
 CONV_TOKENS = 8  # token slots a program
 CONV_CHANNELS = 256  # channels a program
@@ -484,14 +488,7 @@ def option_rows(
     final = states.new_empty(b, value_heads, dk, dv, dtype=torch.float32) if state else out
     grid = (dv // block_v, b * value_heads)
     _rows_kernel[grid](
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
-        states.contiguous(),
-        src.contiguous(),
-        lengths.contiguous(),
+        *contiguous(q, k, v, g, beta, states, src, lengths),
         out,
         final,
         scale,
@@ -507,6 +504,11 @@ def option_rows(
         num_warps=warps,
     )
     return (out, final) if state else out
+
+
+def contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The kernels' tensor arguments, each contiguous (a copy only where one is not)."""
+    return [t.contiguous() for t in tensors]
 
 
 def option_blocks(
@@ -540,14 +542,7 @@ def option_blocks(
     out = v.new_empty(b, t, value_heads, dv)
     grid = (dv // block_v, value_heads, triton.cdiv(b, rows))
     _option_blocks_kernel[grid](
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
-        states.contiguous(),
-        src.contiguous(),
-        lengths.contiguous(),
+        *contiguous(q, k, v, g, beta, states, src, lengths),
         out,
         scale,
         b,
