@@ -30,7 +30,9 @@ comparison, `--folded-attention` the folded products in place of the attention k
 (runtime.backends.compiled.ATTENTION_KERNEL False), `--attention-chunk N` the kernel's
 shared keys in chunks of N (runtime.model.attention_kernels.CHUNK_KEYS), `--joint-parts N` N
 parts a joint pass (runtime.passes.JOINT_PARTS), `--recurrent-rows` option rows in the
-recurrent kernel, not the block kernel (runtime.model.gdn_kernels.OPTION_BLOCKS), `--pdl` /
+recurrent kernel, not the block kernel (runtime.model.gdn_kernels.OPTION_BLOCKS),
+`--block-tile T,V,W` the block kernel's tile (BLOCK_TOKENS, BLOCK_V, BLOCK_WARPS),
+`--conv-in-place` the conv kernel's input read in place (CONV_IN_PLACE), `--pdl` /
 `--no-pdl` Inductor's programmatic dependent launch (runtime.backends.compiled.PDL);
 `cold --only-without` runs the start without caches alone, `cold --only-with` the start with
 the caches a previous call left (without them first where there are none);
@@ -166,7 +168,10 @@ def apply_flags() -> None:
     the attention kernel; `--attention-chunk N`: its shared keys in chunks of N (0: none);
     `--joint-parts N`: N parts a joint pass; `--pdl` / `--no-pdl`: Inductor's programmatic
     dependent launch on or off (in this process and the cold-start processes it starts, which
-    get the same flags); `--recurrent-rows`: option rows in the recurrent kernel."""
+    get the same flags); `--recurrent-rows`: option rows in the recurrent kernel;
+    `--block-tile T,V,W`: the block kernel's token slots, value columns and warps;
+    `--conv-in-place`: the conv kernel reads its input in place and writes no state for
+    option rows."""
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 
@@ -187,6 +192,15 @@ def apply_flags() -> None:
         from runtime.model import gdn_kernels
 
         gdn_kernels.OPTION_BLOCKS = False
+    if "--block-tile" in sys.argv:
+        from runtime.model import gdn_kernels
+
+        tile = sys.argv[sys.argv.index("--block-tile") + 1].split(",")
+        gdn_kernels.BLOCK_TOKENS, gdn_kernels.BLOCK_V, gdn_kernels.BLOCK_WARPS = map(int, tile)
+    if "--conv-in-place" in sys.argv:
+        from runtime.model import gdn_kernels
+
+        gdn_kernels.CONV_IN_PLACE = True
     if "--pdl" in sys.argv or "--no-pdl" in sys.argv:
         from runtime.backends import compiled
 

@@ -118,7 +118,13 @@ CONV_CHECK = textwrap.dedent(
     expected, state = delta.conv(raw, past, lengths)
     weight = delta.conv1d.weight.float()[:, 0, :].t().contiguous()
     out, kept = gdn_kernels.short_conv(raw, past, weight, lengths)
-    print(float((out - expected).abs().max()), torch.equal(kept, state))
+    gdn_kernels.CONV_IN_PLACE = True  # a column slice read through its strides; no state
+    wide = torch.randn(b, t, 310)
+    wide[..., 5:305] = raw
+    sliced, none = gdn_kernels.short_conv(wide[..., 5:305], past, weight, lengths, False)
+    _, kept_too = gdn_kernels.short_conv(wide[..., 5:305], past, weight, lengths, True)
+    same = torch.equal(sliced, out) and none.shape[0] == 0 and torch.equal(kept_too, state)
+    print(float((out - expected).abs().max()), torch.equal(kept, state), same)
     """
 )
 
@@ -126,12 +132,13 @@ CONV_CHECK = textwrap.dedent(
 def test_conv_kernel_matches_the_model_conv():
     """The conv kernel (past and own inputs joined in the kernel, 300 channels over two
     programs) gives the eager conv's outputs and exactly its conv state, rows of 0 to 11
-    valid tokens."""
-    difference, same_state = run_interpreted(CONV_CHECK)[-1].split()
-    assert float(difference) < 1e-6 and same_state == "True"
+    valid tokens; read in place from a column slice (CONV_IN_PLACE) it gives the same bytes,
+    and no state where none is wanted."""
+    difference, same_state, in_place = run_interpreted(CONV_CHECK)[-1].split()
+    assert float(difference) < 1e-6 and same_state == "True" and in_place == "True"
 
 
-def test_option_rows_kernel_is_a_custom_op_with_a_fake():
+def test_the_kernels_are_custom_ops_with_fakes():
     from runtime.model import gdn_kernels
 
     q = torch.empty(3, 4, 2, 32, device="meta")
@@ -149,6 +156,10 @@ def test_option_rows_kernel_is_a_custom_op_with_a_fake():
     out, final = gdn_kernels.rows_gated_delta(q, q, v, gates, gates, states, src, src, 0.5)
     assert out.shape == v.shape and final.shape == (3, 4, 32, 64)
     assert final.dtype == torch.float32
+    raw = torch.empty(3, 4, 300, device="meta")
+    out, state = gdn_kernels.short_conv(raw, torch.empty(3, 300, 3, device="meta"),
+                                        torch.empty(4, 300, device="meta"), src)  # fmt: skip
+    assert out.shape == raw.shape and state.shape == (3, 300, 3)
 
 
 def test_pass_integers_travel_in_one_copy_as_views_of_their_arrays():

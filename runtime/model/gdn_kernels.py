@@ -80,6 +80,9 @@ BLOCK_KEYS = 32  # keys a step of the block kernel's products reads
 # (h200-2026-12-04b, calls 1 and 3); reading the slice in place and writing no state for
 # option rows are what is left
 CONV_KERNEL = True
+# the next step, not yet run on the H200 (off): the input read in place through its strides,
+# and no conv state written for option rows (a leaf's state is never read)
+CONV_IN_PLACE = False
 CONV_TOKENS = 8  # token slots a program
 CONV_CHANNELS = 256  # channels a program
 
@@ -342,17 +345,20 @@ if triton is not None:
         state,
         T,
         C,
+        row_stride,
+        token_stride,
         KEEP: tl.constexpr,
         KP: tl.constexpr,
         TAPS: tl.constexpr,
         BT: tl.constexpr,
         BC: tl.constexpr,
+        STATE: tl.constexpr,
     ):
         """One program: BT token slots of one row, BC channels. A slot's taps read the row's
-        joined inputs (KEEP past columns, then its own T), the sum in float32 in the taps'
-        order, rounded to the inputs' dtype, then SiLU; the first program of a row also writes
-        the KEEP joined inputs from the row's length on (its conv state; KP: KEEP's power of
-        two)."""
+        joined inputs (KEEP past columns, then its own T; raw's channels contiguous, its rows
+        and tokens at the given strides), the sum in float32 in the taps' order, rounded to the
+        inputs' dtype, then SiLU; with STATE the first program of a row also writes the KEEP
+        joined inputs from the row's length on (its conv state; KP: KEEP's power of two)."""
         i_t = tl.program_id(0)
         i_c = tl.program_id(1)
         i_b = tl.program_id(2).to(tl.int64)
@@ -362,27 +368,34 @@ if triton is not None:
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(TAPS):
             w = tl.load(weight + j * C + o_c, mask=channel, other=0.0)
-            acc += joined(raw, past, i_b, o_t + j, o_c, channel, T, C, KEEP) * w[None, :]
+            acc += (
+                joined(raw, past, i_b, o_t + j, o_c, channel, T, C, row_stride, token_stride, KEEP)
+                * w[None, :]
+            )
         x = acc.to(out.dtype.element_ty).to(tl.float32)
         y = x / (1.0 + tl.exp(-x))
         at = (i_b * T + o_t)[:, None] * C + o_c[None, :]
         tl.store(out + at, y.to(out.dtype.element_ty), mask=(o_t < T)[:, None] & channel[None, :])
-        if i_t == 0:
+        if STATE and i_t == 0:
             length = tl.load(lengths + i_b)
             o_j = tl.arange(0, KP)
-            kept = joined(raw, past, i_b, length + o_j, o_c, channel, T, C, KEEP)
+            kept = joined(
+                raw, past, i_b, length + o_j, o_c, channel, T, C, row_stride, token_stride, KEEP
+            )
             kept_at = (i_b * C + o_c)[None, :] * KEEP + o_j[:, None]
             kept = kept.to(state.dtype.element_ty)
             tl.store(state + kept_at, kept, mask=(o_j < KEEP)[:, None] & channel[None, :])
 
     @triton.jit
-    def joined(raw, past, i_b, column, o_c, channel, T, C, KEEP: tl.constexpr):
+    def joined(
+        raw, past, i_b, column, o_c, channel, T, C, row_stride, token_stride, KEEP: tl.constexpr
+    ):
         """Columns [N] of a row's joined inputs (KEEP past columns, then T own) at channels
         o_c, as float32; zeros past the end."""
         mine = (column >= KEEP) & (column < KEEP + T)
         before = column < KEEP
         own = tl.load(
-            raw + (i_b * T + column - KEEP)[:, None] * C + o_c[None, :],
+            raw + i_b * row_stride + (column - KEEP)[:, None] * token_stride + o_c[None, :],
             mask=mine[:, None] & channel[None, :],
             other=0.0,
         )
@@ -564,21 +577,30 @@ def option_blocks(
 
 @torch.library.custom_op("omnijev::short_conv", mutates_args=())
 def short_conv(
-    raw: torch.Tensor, past: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor
+    raw: torch.Tensor,
+    past: torch.Tensor,
+    weight: torch.Tensor,
+    lengths: torch.Tensor,
+    want_state: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Gated DeltaNet's causal depthwise conv and SiLU: raw [B, T, C] (half precision),
     the past [B, C, K-1] in raw's dtype, weight float32 [K, C], lengths [B]. Returns
     SiLU(conv) [B, T, C] in raw's dtype and the conv state [B, C, K-1]: the joined inputs'
-    K-1 columns from each row's length on (runtime.model.language's `conv`, one kernel)."""
+    K-1 columns from each row's length on (runtime.model.language's `conv`, one kernel).
+    With CONV_IN_PLACE raw is read through its strides (channels contiguous), and without
+    `want_state` the state is [0, C, K-1], not written."""
     if triton is None:
         raise RuntimeError("the conv kernel needs triton")
     b, t, c = raw.shape
     taps = weight.shape[0]
+    in_place = CONV_IN_PLACE and raw.stride(2) == 1
+    raw = raw if in_place else raw.contiguous()
+    state_rows = b if want_state or not CONV_IN_PLACE else 0
     out = raw.new_empty(b, t, c)
-    state = raw.new_empty(b, c, taps - 1)
+    state = raw.new_empty(state_rows, c, taps - 1)
     grid = (triton.cdiv(t, CONV_TOKENS), triton.cdiv(c, CONV_CHANNELS), b)
     _short_conv_kernel[grid](
-        raw.contiguous(),
+        raw,
         past.contiguous(),
         weight.contiguous(),
         lengths.contiguous(),
@@ -586,16 +608,20 @@ def short_conv(
         state,
         t,
         c,
+        raw.stride(0),
+        raw.stride(1),
         KEEP=taps - 1,
         KP=triton.next_power_of_2(taps - 1),
         TAPS=taps,
         BT=CONV_TOKENS,
         BC=CONV_CHANNELS,
+        STATE=state_rows > 0,
     )
     return out, state
 
 
 @short_conv.register_fake
-def _(raw, past, weight, lengths):
+def _(raw, past, weight, lengths, want_state=True):
     b, t, c = raw.shape
-    return raw.new_empty(b, t, c), raw.new_empty(b, c, weight.shape[0] - 1)
+    state_rows = b if want_state or not CONV_IN_PLACE else 0
+    return raw.new_empty(b, t, c), raw.new_empty(state_rows, c, weight.shape[0] - 1)

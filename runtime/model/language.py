@@ -250,15 +250,17 @@ class GatedDeltaNet(nn.Module):
     def input_linears(self) -> tuple[nn.Linear, ...]:
         return (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
-    def conv(self, raw, conv_past, lengths):
+    def conv(self, raw, conv_past, lengths, want_state: bool = True):
         """SiLU(causal depthwise conv) over past + own raw columns, raw [B, T, C] and the past
-        [B, C, K-1]: the output [B, T, C] and the new conv state [B, C, K-1]."""
+        [B, C, K-1]: the output [B, T, C] and the new conv state [B, C, K-1] (which the conv
+        kernel may leave out where not `want_state`)."""
         if self.core == "fla" and raw.dtype != torch.float32 and not torch.onnx.is_in_onnx_export():
             from runtime.model import gdn_kernels
 
             if gdn_kernels.CONV_KERNEL:  # one kernel, the same arithmetic (float32 taps)
                 weight = self.conv1d.weight.float()[:, 0, :].t().contiguous()
-                return gdn_kernels.short_conv(raw, conv_past.to(raw.dtype), weight, lengths)
+                past = conv_past.to(raw.dtype)
+                return gdn_kernels.short_conv(raw, past, weight, lengths, want_state)
         # token-major ([B, K-1+T, C], channels contiguous), so that every tap reads and the
         # output writes whole rows: channel-major, with a transpose in and out, the 255-option
         # pass's conv kernels took 5.0 ms of its 52.9 on the H200 (h200-2026-12-02h)
@@ -302,7 +304,7 @@ class GatedDeltaNet(nn.Module):
         state per source and row n continues `rec_past[src[n]]` (option rows: on CUDA read in
         place by the kernel, never gathered)."""
         b, t, _ = raw.shape
-        mixed, conv_state = self.conv(raw, conv_past, lengths)
+        mixed, conv_state = self.conv(raw, conv_past, lengths, want_state)
         key_width = self.k_heads * self.dk
         q, k, v = mixed.split([key_width, key_width, self.v_heads * self.dv], dim=-1)
         beta = torch.where(valid[..., None], beta_raw.sigmoid().float(), 0.0)
