@@ -138,6 +138,72 @@ def test_conv_kernel_matches_the_model_conv():
     assert float(difference) < 1e-6 and same_state == "True" and in_place == "True"
 
 
+HOPPER_COMPILE = textwrap.dedent(
+    """
+    import pathlib, subprocess, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from runtime.model import gdn_kernels as gk
+
+    tool = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    half = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*fp32",
+            "states": "*fp32", "src": "*i64", "lengths": "*i64", "out": "*bf16"}
+    blocks = {**half, "scale": "fp32", "B": "i32"}
+    shapes = {"H": 16, "HV": 32, "K": 128, "V": 128, "EPS": 1e-6}
+    conv = {"raw": "*bf16", "past": "*bf16", "weight": "*fp32", "lengths": "*i64",
+            "out": "*bf16", "state": "*bf16", "T": "i32", "C": "i32", "row_stride": "i64",
+            "token_stride": "i64"}
+    kernels = [
+        (gk._option_blocks_kernel, blocks, dict(shapes, T=t, TP=t, R=gk.BLOCK_TOKENS // t,
+         BV=gk.BLOCK_V, SPLIT=gk.BLOCK_SPLIT, KC=gk.BLOCK_KEYS), gk.BLOCK_WARPS)
+        for t in (8, 16)
+    ] + [
+        (gk._short_conv_kernel, conv, dict(KEEP=3, KP=4, TAPS=4, BT=gk.CONV_TOKENS,
+         BC=gk.CONV_CHANNELS, STATE=state), 4)
+        for state in (True, False)
+    ]
+    for fn, types, constants, warps in kernels:
+        signature = {**types, **{name: "constexpr" for name in constants}}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+        done = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})
+        path = pathlib.Path("hopper.cubin")
+        path.write_bytes(done.asm["cubin"])
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(path)],
+                               capture_output=True, text=True).stdout
+        path.unlink()
+        print(fn.__name__, usage.split("STACK:")[1].split()[0])
+    """
+)
+
+
+def test_the_kernels_compile_for_hopper_without_spilling(tmp_path):
+    """Triton compiles the block and conv kernels for the H200 (sm_90) here, without a GPU:
+    the interpreter runs Python and accepts code the compiler refuses (a conv kernel that the
+    H200's Triton refused in h200-2026-12-04b, call 2), and the block kernel's shipped tile
+    keeps its registers (a first chunked kernel spilled and ran slower than the recurrent)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from tests.interpreted import ROOT
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", HOPPER_COMPILE], capture_output=True, text=True, cwd=tmp_path,
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    stacks = [line.split() for line in done.stdout.strip().splitlines()]
+    assert [name for name, _ in stacks] == ["_option_blocks_kernel"] * 2 + [
+        "_short_conv_kernel"
+    ] * 2
+    assert all(stack == "0" for _, stack in stacks), stacks
+
+
 def test_the_kernels_are_custom_ops_with_fakes():
     from runtime.model import gdn_kernels
 

@@ -376,15 +376,16 @@ if triton is not None:
         y = x / (1.0 + tl.exp(-x))
         at = (i_b * T + o_t)[:, None] * C + o_c[None, :]
         tl.store(out + at, y.to(out.dtype.element_ty), mask=(o_t < T)[:, None] & channel[None, :])
-        if STATE and i_t == 0:
-            length = tl.load(lengths + i_b)
-            o_j = tl.arange(0, KP)
-            kept = joined(
-                raw, past, i_b, length + o_j, o_c, channel, T, C, row_stride, token_stride, KEEP
-            )
-            kept_at = (i_b * C + o_c)[None, :] * KEEP + o_j[:, None]
-            kept = kept.to(state.dtype.element_ty)
-            tl.store(state + kept_at, kept, mask=(o_j < KEEP)[:, None] & channel[None, :])
+        if STATE:
+            if i_t == 0:
+                length = tl.load(lengths + i_b)
+                o_j = tl.arange(0, KP)
+                kept = joined(
+                    raw, past, i_b, length + o_j, o_c, channel, T, C, row_stride, token_stride, KEEP
+                )
+                kept_at = (i_b * C + o_c)[None, :] * KEEP + o_j[:, None]
+                kept = kept.to(state.dtype.element_ty)
+                tl.store(state + kept_at, kept, mask=(o_j < KEEP)[:, None] & channel[None, :])
 
     @triton.jit
     def joined(
