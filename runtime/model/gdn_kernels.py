@@ -42,7 +42,7 @@ ROWS_PREFETCH = True
 # chunked / fla recurrent): 1 × 16 0.013 / 0.026 / 0.020, 16 × 16 0.057 / 0.130 / 0.102,
 # 8 × 32 0.055 / 0.080 / 0.106, 1 × 64 0.043 / 0.038 / 0.072 (docs/measurements/h200-2026-12-03b)
 ROWS_MAX_TOKENS = 32
-# Option rows in half precision run the block kernel: every option row of a question starts
+# Option rows in BF16 run the block kernel: every option row of a question starts
 # from the same state S0, so S0 enters through two matrix products over a block of rows' tokens
 # (Kᵀ and Q against S0 on the tensor cores, S0 read once a block), and what is left of the rule
 # is a row's own tokens against each other, [T, T] a row. The recurrent kernel re-reads S0 per
@@ -426,8 +426,8 @@ def option_rows_gated_delta(
     [B, T, HV]. The kernel walks each row's first
     `lengths[n]` tokens and writes zeros after them: a padded token (g = β = 0) leaves the
     state as it is and no valid token reads its output (h200-2026-12-02h: 1,675 of the
-    255-option pass's 2,048 tokens). Half-precision rows of at most BLOCK_MAX_TOKENS tokens
-    take the block kernel (OPTION_BLOCKS), the others the recurrent one."""
+    255-option pass's 2,048 tokens). BF16 rows of at most BLOCK_MAX_TOKENS tokens take the
+    block kernel (OPTION_BLOCKS), the others the recurrent one."""
     if blocks_fit(q):
         return option_blocks(q, k, v, g, beta, states, src, lengths, scale)
     return option_rows(q, k, v, g, beta, states, src, lengths, scale)
@@ -435,7 +435,9 @@ def option_rows_gated_delta(
 
 def blocks_fit(q: torch.Tensor) -> bool:
     """Whether option rows shaped as q [B, T, H, dk] run the block kernel."""
-    return OPTION_BLOCKS and q.dtype != torch.float32 and q.shape[1] <= BLOCK_MAX_TOKENS
+    # BF16 only: the state's two terms need BF16's range (float16's would flush its small
+    # values); the engines run BF16 or float32 (runtime.constants.MODEL_DTYPES)
+    return OPTION_BLOCKS and q.dtype == torch.bfloat16 and q.shape[1] <= BLOCK_MAX_TOKENS
 
 
 @option_rows_gated_delta.register_fake
