@@ -1,7 +1,7 @@
-"""The Gated DeltaNet cores of the torch backend on CUDA, as PyTorch custom ops so that
+"""The Gated DeltaNet kernels of the torch backend on CUDA, as PyTorch custom ops so that
 `torch.compile` keeps a pass in one graph: fla-core's kernels for passes that carry their state
-on, our own recurrent kernel for short rows, and for option rows in half precision a block
-kernel that reads their questions' states once, through matrix products.
+on, our own recurrent kernel for short rows, for BF16 option rows a block kernel that reads
+their questions' states once, through matrix products, and the short conv before the core.
 
 Follows the gated delta rule of model.md §3 (S ← e^g S; v' = β(v − Sᵀk); S ← S + k v'ᵀ;
 o = Sᵀq, q and k l2-normalised with eps 1e-6 and q scaled), fla-core's fused recurrent form,
