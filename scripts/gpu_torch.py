@@ -791,7 +791,6 @@ def recurrent_rows(executor, workloads: dict) -> dict:
     off: every graph captured again), beside the block kernel's default; and how far each
     workload's answers move between the two."""
     from runtime.model import gdn_kernels
-    from tools import bench
 
     if not gdn_kernels.OPTION_BLOCKS:
         return {}
@@ -800,25 +799,30 @@ def recurrent_rows(executor, workloads: dict) -> dict:
     try:
         drop_graphs(executor.backend)
         stages = gpu_stages(executor, workloads)
-        moved = {}
-        for name, (body, _) in workloads.items():
-            compared = bench.compare(executor.answer(body), blocks[name])
-            moved[name] = {
-                "max_difference": max(compared["differences"]),
-                "flips": compared["flips"],
-            }
+        moved = {
+            name: answers_moved(executor.answer(body), blocks[name])
+            for name, (body, _) in workloads.items()
+        }
         return {"gpu_stages": stages, "answers": moved}
     finally:
         gdn_kernels.OPTION_BLOCKS = True
         drop_graphs(executor.backend)
 
 
+def answers_moved(answer: dict, baseline: dict) -> dict:
+    """How far one response's answers are from another's: the largest difference and the
+    decisions that flipped (tools.bench.compare)."""
+    from tools import bench
+
+    compared = bench.compare(answer, baseline)
+    return {"max_difference": max(compared["differences"]), "flips": compared["flips"]}
+
+
 def drop_graphs(backend) -> None:
-    """Every captured CUDA graph of the torch backend dropped: each pass runs eagerly once
-    and is captured again, with whatever the kernels' settings are now."""
+    """Every captured CUDA graph of the torch backend dropped (GraphSlots.drop_graphs): each
+    pass is captured again, with whatever the kernels' settings are now."""
     for slots in (*backend.slots.values(), *getattr(backend, "lane_slots", ())):
-        for slot in slots.slots.values():
-            slot.graph, slot.launches = None, 0
+        slots.drop_graphs()
 
 
 def one_lane(executor, workloads: dict) -> list[dict]:
@@ -854,10 +858,8 @@ def separate_passes(executor, workloads: dict) -> dict:
         moved = {}
         for name, (body, _) in workloads.items():
             apart = executor.answer(body)
-            compared = bench.compare(apart, joint[name])
             moved[name] = {
-                "max_difference": max(compared["differences"]),
-                "flips": compared["flips"],
+                **answers_moved(apart, joint[name]),
                 "same_bytes": json.dumps(bench.without_latency(apart))
                 == json.dumps(bench.without_latency(joint[name])),
             }
@@ -1743,7 +1745,7 @@ def summarise(report: dict) -> None:
     summary = [f"backend {report.get('backend')}, load {report.get('load_s', 0):.1f} s"]
     if isinstance(report.get("gpu_stages"), list):
         summary += ["GPU stages", latency_table(report["gpu_stages"])]
-    if report.get("one_lane"):
+    if isinstance(report.get("one_lane"), list) and report["one_lane"]:
         summary += ["GPU stages, one lane", latency_table(report["one_lane"])]
     if isinstance(report.get("recurrent_rows"), dict) and report["recurrent_rows"]:
         rows = report["recurrent_rows"]

@@ -71,6 +71,23 @@ def test_slots_bind_once_per_signature_and_copy_in_and_out():
     assert len(slots.slots) == 2 and len(bound) == 3  # the least recently used went
 
 
+def test_dropped_graphs_leave_the_slots_and_their_buffers():
+    slots, bound = doubling_slots(size=2)
+    x = torch.ones(2, 4)
+    key = signature("g", {"x": x})
+    for _ in range(2):
+        slots.run(key, {"x": x}, {"y": torch.empty_like(x)})
+    slot = slots.get(key)
+    slot.graph = object()  # as if captured (the CPU never captures)
+    buffer = slot.inputs["x"]
+    slots.drop_graphs()
+    assert slot.graph is None and slot.launches == 0
+    assert slots.get(key) is slot and slot.inputs["x"] is buffer and len(bound) == 1
+    y = torch.empty_like(x)
+    slots.run(key, {"x": x}, {"y": y})  # runs eagerly again, on the same slot
+    assert torch.equal(y, 2 * x) and slot.launches == 1
+
+
 def test_a_refused_launch_is_an_error():
     slots = GraphSlots(
         torch.device("cpu"),

@@ -147,6 +147,12 @@ class GraphSlots:
         graph.replay()
         self.replays += 1
 
+    def drop_graphs(self) -> None:
+        """Forgets every captured graph (their buffers stay): each slot runs eagerly again,
+        then is captured anew, with whatever its launch does by then."""
+        for slot in self.slots.values():
+            slot.graph, slot.launches = None, 0
+
     def stats(self) -> dict[str, int]:
         return {
             "slots": len(self.slots),

@@ -297,7 +297,7 @@ if triton is not None:
         mixed = decay * qk
         weights = tl.sum(mixed[:, :, :, None] * solved[:, None, :, :], 2)
         # one product over the block's tokens with W's blocks on its diagonal: a row's terms
-        # are its own, the others exact zeros, summed in the tokens' order (float32, no TF32)
+        # are its own, the others exact zeros (TF32×3 below: within a float32 rounding)
         block = tl.where(rows_a == rows_b, weights[:, :, None, :], 0.0)
         block = tl.reshape(block, [R * TP, R * TP])
         # S0ᵀk and S0ᵀq of every token, a source at a time (rows are sorted by source), KC keys
@@ -598,7 +598,7 @@ def short_conv(
     taps = weight.shape[0]
     in_place = CONV_IN_PLACE and raw.stride(2) == 1
     raw = raw if in_place else raw.contiguous()
-    state_rows = b if want_state or not CONV_IN_PLACE else 0
+    state_rows = conv_state_rows(b, want_state)
     out = raw.new_empty(b, t, c)
     state = raw.new_empty(state_rows, c, taps - 1)
     grid = (triton.cdiv(t, CONV_TOKENS), triton.cdiv(c, CONV_CHANNELS), b)
@@ -626,5 +626,11 @@ def short_conv(
 @short_conv.register_fake
 def _(raw, past, weight, lengths, want_state=True):
     b, t, c = raw.shape
-    state_rows = b if want_state or not CONV_IN_PLACE else 0
-    return raw.new_empty(b, t, c), raw.new_empty(state_rows, c, weight.shape[0] - 1)
+    state = raw.new_empty(conv_state_rows(b, want_state), c, weight.shape[0] - 1)
+    return raw.new_empty(b, t, c), state
+
+
+def conv_state_rows(rows: int, want_state: bool) -> int:
+    """Rows of the conv state `short_conv` returns: none where it is not wanted, with
+    CONV_IN_PLACE (which leaves it out)."""
+    return rows if want_state or not CONV_IN_PLACE else 0

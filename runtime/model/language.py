@@ -258,9 +258,8 @@ class GatedDeltaNet(nn.Module):
             from runtime.model import gdn_kernels
 
             if gdn_kernels.CONV_KERNEL:  # one kernel, the same arithmetic (float32 taps)
-                weight = self.conv1d.weight.float()[:, 0, :].t().contiguous()
                 past = conv_past.to(raw.dtype)
-                return gdn_kernels.short_conv(raw, past, weight, lengths, want_state)
+                return gdn_kernels.short_conv(raw, past, self.taps(), lengths, want_state)
         # token-major ([B, K-1+T, C], channels contiguous), so that every tap reads and the
         # output writes whole rows: channel-major, with a transpose in and out, the 255-option
         # pass's conv kernels took 5.0 ms of its 52.9 on the H200 (h200-2026-12-02h)
@@ -271,13 +270,17 @@ class GatedDeltaNet(nn.Module):
         # Shifted multiply-adds, not Conv: cuDNN's depthwise conv was 1.5 s of a 1.9 s ORT
         # profile on the H200 and TensorRT needs no conv layer. float32 as a bfloat16 conv with
         # float accumulation would be, rounded back after.
-        weight = self.conv1d.weight.float()[:, 0, :].t()  # [K, C]
+        weight = self.taps()
         columns = full.shape[1] - self.kernel + 1
         f = full.float()
         conv = f[:, 0:columns] * weight[0]
         for j in range(1, self.kernel):
             conv = conv + f[:, j : j + columns] * weight[j]
         return F.silu(conv.to(raw.dtype)), state
+
+    def taps(self) -> torch.Tensor:
+        """The conv's weights in float32, a tap a row: [K, C]."""
+        return self.conv1d.weight.float()[:, 0, :].t()
 
     def heads(self, x: torch.Tensor, count: int, dim: int) -> torch.Tensor:
         """[B, T, count·dim] → float32 [B, T, HV, dim], key head j // (HV/H) for value head j."""
