@@ -515,7 +515,7 @@ class Executor:
         b, t = rows.shape
         out = {
             "hidden": torch.empty(len(arrays["read_rows"]), d.hidden, device=self.device),
-            "logprobs": torch.empty(len(arrays["target_rows"]), device=self.device),
+            "logprobs": torch.empty(len(arrays["target_tokens"]), device=self.device),
         }
         if not with_state:
             return out
@@ -595,7 +595,7 @@ class Executor:
         t = rows.shape[1]
         arrays = rows.arrays()
         hidden = torch.empty(len(arrays["read_rows"]), self.dims.hidden, device=self.device)
-        logprobs = torch.empty(len(arrays["target_rows"]), device=self.device)
+        logprobs = torch.empty(len(arrays["target_tokens"]), device=self.device)
         index = self.tensor(rows.src, torch.int64)
         lengths = self.tensor(rows.lengths, torch.int64)
         # each row's source past, gathered once: every later piece reads it before its own tokens
@@ -838,6 +838,8 @@ class HostReadouts:
 
     zq: dict[int, np.ndarray] = field(default_factory=dict)
     first: dict[tuple[int, int], float] = field(default_factory=dict)
+    # the first text token's log-probability where the question part read it (`open_read`)
+    opened: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     u_at: dict[tuple[int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
     picked: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
@@ -848,6 +850,10 @@ class HostReadouts:
         if qp.first_read:
             index = np.fromiter(qp.first_read.values(), np.intp, len(qp.first_read))
             self.first.update(zip(qp.first_read, logprobs[index].tolist(), strict=True))
+        if qp.open_read:
+            index = np.fromiter(qp.open_read.values(), np.intp, len(qp.open_read))
+            values = logprobs[index].astype(np.float32, copy=False)
+            self.opened.update(zip(qp.open_read, values[:, None], strict=True))
 
     def take_options(self, op: OptionPass, hidden: np.ndarray, logprobs: np.ndarray) -> None:
         """An option pass's readouts: where its options' u are, and their texts'
@@ -871,12 +877,20 @@ class HostReadouts:
             u = np.stack([hidden[row] for hidden, row in at])
         return u.astype(np.float32, copy=False)
 
+    def picked_of(self, qi: int, k: int) -> np.ndarray | None:
+        """Option k's text log-probabilities in token order: the one its question part read
+        at the shared `<|opt|>` (if any), then its option pass's."""
+        picked, opened = self.picked.get((qi, k)), self.opened.get((qi, k))
+        if opened is None:
+            return picked
+        return opened if picked is None or not len(picked) else np.concatenate([opened, picked])
+
     def collect(self, prepared: Prepared, which: list[int]) -> list[QuestionReadout]:
         """The readouts of the questions `which`, in that order."""
         readouts = []
         for qi in which:
             k = len(prepared.layouts[qi].rows)
-            picked = [self.picked.get((qi, j)) for j in range(k)]
+            picked = [self.picked_of(qi, j) for j in range(k)]
             readouts.append(
                 QuestionReadout(
                     zq=self.zq[qi].astype(np.float32),

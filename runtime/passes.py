@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from runtime.config import QUESTION_BATCH
+from runtime.constants import OPEN_ID
 from runtime.constants import VISION_END_ID as VISION_END
 from runtime.contract import MAX_OPTIONS
 from runtime.types import Prepared, QuestionLayout
@@ -61,6 +62,13 @@ JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
 # each pass paying ~1,300 kernels and a weight read whatever its rows
 ALONE_ROWS = 256
 ALONE_FAMILY = ((MAX_OPTIONS, ALONE_ROWS, ALONE_ROWS * OPTION_STEP),)  # 256 × 8, 128 × 16, ...
+# An alone question's text runs through its first `<|opt|>` (its question part reads the first
+# option-text token's log-probabilities there), and its option rows start after it: every row
+# began with that token at the same position from the same state, so its work was the same in
+# each, 255 of the 255-option pass's 1,675 tokens. Its options of at most OPTION_STEP tokens
+# then share one pass as wide as the longest of them, in steps of ALONE_STEP: the bench's 255
+# options (4-6 tokens after the shared one) in 256 × 6 token slots where 256 × 8 held them
+ALONE_STEP = 2
 # A joint pass may hold up to this many option passes (its parts) whose questions share a text
 # length bucket: their question rows once, their option rows each in a part of its own length.
 # Two parts took the 12 speed-bench questions (options of 8 and of 24 tokens) from two joint
@@ -149,13 +157,19 @@ class Pass:
         (never empty), so that shapes repeat across requests: one captured graph or fixed-shape
         session serves many. Every readout is per row; the padding changes no real one. With
         `pad` False (a backend that reads outside its graphs in pieces of its own) the target
-        lists keep their length."""
+        lists keep their length, and `target_rows` holds each row once (sorted), `target_slots`
+        which of them each target reads: a question's options' first tokens are all read at
+        one row (its zq, and an alone question's `<|opt|>`), 510 of the 255-option pass's
+        1,420 targets, where a row's log-softmax over the vocabulary is the readout's work."""
         read = padded(self.read_rows, 0)
         rows = [t[0] for t in self.targets] or [0]
         tokens = [t[1] for t in self.targets] or [0]
+        slots = None
         if pad:
             rows, tokens = padded(rows, 0), padded(tokens, 0)
-        return {
+        else:
+            rows, slots = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
+        arrays = {
             "input_ids": self.input_ids,
             "positions": self.positions,
             "lengths": self.lengths,
@@ -164,6 +178,9 @@ class Pass:
             "target_rows": np.asarray(rows, dtype=np.int64),
             "target_tokens": np.asarray(tokens, dtype=np.int64),
         }
+        if slots is not None:
+            arrays["target_slots"] = slots.astype(np.int64)
+        return arrays
 
 
 @dataclass
@@ -174,6 +191,10 @@ class QuestionPass:
     members: list[int]
     zq_read: dict[int, int]  # question -> index into hidden readouts
     first_read: dict[tuple[int, int], int]  # (question, option) -> index into logprobs
+    # (question, option) -> index into logprobs of its first text token read at the question's
+    # `<|opt|>`, where the text ends with it (question_span's `opened`): the first of the
+    # option's text reads, which its option pass's `text_reads` then go on from
+    open_read: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -252,17 +273,23 @@ def plan_prefix(prepared: Prepared) -> tuple[Pass, int]:
     return p, n
 
 
-def question_span(layout: QuestionLayout, start: int) -> tuple[list[int], np.ndarray]:
-    """The question's own text: from the image prefix to its zq token inclusive."""
-    end = layout.opens[0]
+def question_span(
+    layout: QuestionLayout, start: int, opened: bool = False
+) -> tuple[list[int], np.ndarray]:
+    """The question's own text: from the image prefix to its zq token inclusive, or with
+    `opened` to its first `<|opt|>` inclusive (an alone question's: ALONE_STEP)."""
+    end = layout.opens[0] + opened
     return list(layout.token_ids[start:end]), layout.positions[:, start:end]
 
 
-def option_span(layout: QuestionLayout, k: int) -> tuple[list[int], np.ndarray]:
-    """Option k's block <|opt|> … <|/opt|>, at the positions it has as the question's only
-    option (the reference branches each row straight after the question, model.md §8.4)."""
-    ids = list(layout.token_ids[layout.opens[k] : layout.closes[k] + 1])
-    base = int(layout.positions[0, layout.opens[0]])
+def option_span(
+    layout: QuestionLayout, k: int, opened: bool = False
+) -> tuple[list[int], np.ndarray]:
+    """Option k's block <|opt|> … <|/opt|> (with `opened`, the block after its <|opt|>), at
+    the positions it has as the question's only option (the reference branches each row
+    straight after the question, model.md §8.4)."""
+    ids = list(layout.token_ids[layout.opens[k] + opened : layout.closes[k] + 1])
+    base = int(layout.positions[0, layout.opens[0]]) + opened
     return ids, np.broadcast_to(base + np.arange(len(ids)), (3, len(ids))).astype(np.int64)
 
 
@@ -290,7 +317,9 @@ def question_pass(
     prepared: Prepared, spans: list, chunk: list[int], length: int, rows: int, read: set[int]
 ) -> QuestionPass:
     """A pass of `rows` rows of `length` tokens holding the texts of the questions `chunk`;
-    the questions in `read` get their readouts (the zq row and the options' first tokens)."""
+    the questions in `read` get their readouts (the zq row and the options' first tokens; for
+    a text that ends with its first `<|opt|>`, question_span's `opened`, the first tokens
+    again there, as the first of each option's text reads)."""
     p = empty_pass(rows, length)
     qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
     for row, qi in enumerate(chunk):
@@ -298,7 +327,9 @@ def question_pass(
         fill_row(p, row, ids, positions)
         if qi not in read:
             continue
-        zq_flat = row * length + len(ids) - 1
+        opened = ids[-1] == OPEN_ID
+        last = row * length + len(ids) - 1
+        zq_flat = last - opened
         qp.zq_read[qi] = len(p.read_rows)
         p.read_rows.append(zq_flat)
         if prepared.layouts[qi].question.type == "score":
@@ -307,6 +338,9 @@ def question_pass(
             if option_row.first is not None:
                 qp.first_read[(qi, k)] = len(p.targets)
                 p.targets.append((zq_flat, option_row.first))
+                if opened:
+                    qp.open_read[(qi, k)] = len(p.targets)
+                    p.targets.append((last, option_row.first))
     return qp
 
 
@@ -315,49 +349,67 @@ def plan_options(
     question_passes: list[QuestionPass],
     fit: bool = False,
     families: tuple = OPTION_FAMILIES,
+    opened: bool = False,
 ) -> list[OptionPass]:
     """The options of one question pass's questions by family (option_family of the question's
-    option count among `families`) and length bucket, the family's rows a pass (fewer for long
-    buckets: rows_for; with `fit`, as many as the pass holds), each row continuing its
-    question's row."""
+    option count among `families`) and length bucket (`option_buckets`), the family's rows a
+    pass (fewer for long buckets: rows_for; with `fit`, as many as the pass holds), each row
+    continuing its question's row; with `opened` (texts through their first `<|opt|>`), each
+    row the option's block after its `<|opt|>`."""
     passes = []
     for pi, qp in enumerate(question_passes):
         groups: dict[tuple[tuple[int, int], int], list[tuple[int, int, int]]] = {}
         for source, qi in enumerate(qp.members):
             layout = prepared.layouts[qi]
             family = option_family(len(layout.opens), families)
-            for k in range(len(layout.opens)):
-                n = layout.closes[k] - layout.opens[k] + 1
-                groups.setdefault((family, bucket(n, OPTION_STEP)), []).append((qi, k, source))
+            for k, length in enumerate(option_buckets(layout, opened)):
+                groups.setdefault((family, length), []).append((qi, k, source))
         for ((family_rows, family_tokens), length), rows in sorted(groups.items()):
             size = rows_for(length, family_rows, family_tokens)
             for chunk_start in range(0, len(rows), size):
                 chunk = rows[chunk_start : chunk_start + size]
                 p = empty_pass(fitted_rows(len(chunk), size, fit), length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
-                fill_options(op, prepared.layouts, chunk, length)
+                fill_options(op, prepared.layouts, chunk, length, opened)
                 passes.append(op)
     return passes
 
 
+def option_buckets(layout: QuestionLayout, opened: bool = False) -> list[int]:
+    """Each option row's length bucket: OPTION_STEP steps; with `opened` (rows after the shared
+    `<|opt|>`), the rows of at most OPTION_STEP tokens all in the bucket of the longest of them,
+    in ALONE_STEP steps, so that they share one pass (a function of the question alone)."""
+    lengths = [c - o + 1 - opened for o, c in zip(layout.opens, layout.closes, strict=True)]
+    if not opened:
+        return [bucket(n, OPTION_STEP) for n in lengths]
+    short = bucket(max((n for n in lengths if n <= OPTION_STEP), default=1), ALONE_STEP)
+    return [short if n <= OPTION_STEP else bucket(n, OPTION_STEP) for n in lengths]
+
+
 def fill_options(
-    op: OptionPass, layouts: tuple[QuestionLayout, ...], chunk: list, length: int
+    op: OptionPass,
+    layouts: tuple[QuestionLayout, ...],
+    chunk: list,
+    length: int,
+    opened: bool = False,
 ) -> None:
     """`fill_row` of each option of `chunk` ((question, option, source row) per row) with its
-    `option_span`, then its reads: the u row and, but for Score, each text token from the one
-    before. An option's tokens are text, so its three M-RoPE positions are equal and count on
-    from the question's first option through the padding: one array operation for the pass."""
+    `option_span` (`opened`: after its `<|opt|>`), then its reads: the u row and, but for
+    Score, each text token from the one before (with `opened`, the first text token's is the
+    question part's `open_read`). An option's tokens are text, so its three M-RoPE positions
+    are equal and count on from the question's first option through the padding: one array
+    operation for the pass."""
     p = op.rows
     bases = np.zeros(len(chunk), dtype=np.int64)
     for row, (qi, k, source) in enumerate(chunk):
         layout = layouts[qi]
-        start, end = layout.opens[k], layout.closes[k] + 1
+        start, end = layout.opens[k] + opened, layout.closes[k] + 1
         ids = layout.token_ids[start:end]
         n = end - start
         p.input_ids[row, :n] = ids
         p.lengths[row] = n
         p.src[row] = source
-        bases[row] = layout.positions[0, layout.opens[0]]
+        bases[row] = layout.positions[0, layout.opens[0]] + opened
         op.members.append((qi, k))
         op.u_read[(qi, k)] = len(p.read_rows)
         p.read_rows.append(row * length + n - 1)
@@ -494,9 +546,9 @@ def plan(
     (`plan_alone`); the rest in question and option passes as before."""
     prefix, n = plan_prefix(prepared)
     layouts = prepared.layouts
-    spans = [question_span(layout, n) for layout in layouts]
     joining = {qi for qi, layout in enumerate(layouts) if joint and joins(layout)}
     alone = set() if not (joint and fit) else set(range(len(layouts))) - joining
+    spans = [question_span(layout, n, qi in alone) for qi, layout in enumerate(layouts)]
     apart = set(range(len(layouts))) - joining - alone
     questions = plan_questions(prepared, spans, question_rows, fit, only=apart)
     work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
@@ -515,11 +567,12 @@ def plan(
 def plan_alone(
     prepared: Prepared, spans: list, qi: int, question_rows: int, parts: int = 1
 ) -> list[JointPass]:
-    """Question `qi`'s text and its options in ALONE_FAMILY passes (fitted), `parts` option
-    passes a joint pass (dummy parts filling the last), holding nothing of any other question:
-    the shapes are a function of that question alone, whatever their token slots."""
+    """Question `qi`'s text (its span `opened`) and its options in ALONE_FAMILY passes
+    (fitted), `parts` option passes a joint pass (dummy parts filling the last), holding
+    nothing of any other question: the shapes are a function of that question alone,
+    whatever their token slots."""
     mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi})
-    theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY)
+    theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY, opened=True)
     every_slot = sum(int(np.prod(op.rows.shape)) for op in theirs) + QUESTION_TOKENS  # no bound
     return plan_joint(prepared, spans, mine, theirs, question_rows, True, every_slot, parts)
 
@@ -538,6 +591,7 @@ def finished_by_joint(work: Plan) -> list[list[int]]:
     last: dict[int, int] = {}  # question -> the last joint pass with a readout of it
     for k, jp in enumerate(work.joint):
         keys = [*jp.question.zq_read, *(qi for qi, _ in jp.question.first_read)]
+        keys += [qi for qi, _ in jp.question.open_read]
         for op in jp.parts:
             keys += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
         last.update(dict.fromkeys(keys, k))

@@ -32,7 +32,9 @@ shared keys in chunks of N (runtime.model.attention_kernels.CHUNK_KEYS), `--join
 parts a joint pass (runtime.passes.JOINT_PARTS), `--recurrent-rows` option rows in the
 recurrent kernel, not the block kernel (runtime.model.gdn_kernels.OPTION_BLOCKS),
 `--block-tile T,V,W` the block kernel's tile (BLOCK_TOKENS, BLOCK_V, BLOCK_WARPS),
-`--conv-in-place` the conv kernel's input read in place (CONV_IN_PLACE), `--pdl` /
+`--conv-copy` the conv kernel's input copied in, not read in place (CONV_IN_PLACE),
+`--one-row-attention` one row a program over the shared keys (attention_kernels.SHARED_ROWS
+0), `--wide-readout N` a one-question pass's readout pieces (WIDE_READOUT_PIECE), `--pdl` /
 `--no-pdl` Inductor's programmatic dependent launch (runtime.backends.compiled.PDL);
 `cold --only-without` runs the start without caches alone, `cold --only-with` the start with
 the caches a previous call left (without them first where there are none);
@@ -113,7 +115,7 @@ OPTION_ROW_SHAPES = ((256, 8, 1), (32, 8, 11), (4, 24, 1), (64, 8, 16), (32, 16,
 # 1 and 12 questions' question parts, option parts of 8 and 24 tokens, 255 options' rows
 ATTENTION_SHAPES = (
     (1, 640, 1, 1), (2, 16, 640, 1), (16, 16, 640, 1), (4, 8, 640, 16), (8, 24, 640, 16),
-    (256, 8, 640, 16),
+    (256, 8, 640, 16), (256, 6, 640, 16),
 )  # fmt: skip
 
 
@@ -170,8 +172,10 @@ def apply_flags() -> None:
     dependent launch on or off (in this process and the cold-start processes it starts, which
     get the same flags); `--recurrent-rows`: option rows in the recurrent kernel;
     `--block-tile T,V,W`: the block kernel's token slots, value columns and warps;
-    `--conv-in-place`: the conv kernel reads its input in place and writes no state for
-    option rows."""
+    `--conv-copy`: the conv kernel's input copied in and a state written for option rows, as
+    before CONV_IN_PLACE; `--one-row-attention`: one row a program over the shared keys in
+    every pass (attention_kernels.SHARED_ROWS 0); `--wide-readout N`: readout pieces of N
+    rows in passes of one question alone (compiled.WIDE_READOUT_PIECE)."""
     if "--floors-in-graph" in sys.argv:
         from runtime.model import layers
 
@@ -197,10 +201,18 @@ def apply_flags() -> None:
 
         tile = sys.argv[sys.argv.index("--block-tile") + 1].split(",")
         gdn_kernels.BLOCK_TOKENS, gdn_kernels.BLOCK_V, gdn_kernels.BLOCK_WARPS = map(int, tile)
-    if "--conv-in-place" in sys.argv:
+    if "--one-row-attention" in sys.argv:
+        from runtime.model import attention_kernels
+
+        attention_kernels.SHARED_ROWS = 0
+    if "--wide-readout" in sys.argv:
+        from runtime.backends import compiled
+
+        compiled.WIDE_READOUT_PIECE = flag_number("--wide-readout")
+    if "--conv-copy" in sys.argv:
         from runtime.model import gdn_kernels
 
-        gdn_kernels.CONV_IN_PLACE = True
+        gdn_kernels.CONV_IN_PLACE = False
     if "--pdl" in sys.argv or "--no-pdl" in sys.argv:
         from runtime.backends import compiled
 
@@ -507,7 +519,10 @@ def attention_kernel_check() -> list[dict]:
     """The attention kernel (runtime.model.attention_kernels) against the folded products the
     engine ran before (fixed rows, FIT_TOKENS) on the 4b shapes, BF16: CUDA-graph replays of
     each, each one's largest difference to the attention in float32 on the same inputs over
-    the valid tokens, and whether a row gets the same bytes alone, reversed and repeated."""
+    the valid tokens, and whether a row gets the same bytes alone (beside copies of itself, in
+    a pass of the same rows: the kernels follow the row count), reversed and repeated; where
+    a pass reads the shared keys for several rows a program (attention_kernels.SHARED_ROWS),
+    the one-row programs' time beside."""
     import torch
 
     from runtime.model import attention_kernels
@@ -526,7 +541,8 @@ def attention_kernel_check() -> list[dict]:
         reverse = torch.arange(b - 1, -1, -1, device="cuda")
         # the rows of a pass get its chunking (chosen by its row count), alone too
         chunk = attention_kernels.pass_chunk(b)
-        flipped, alone = some_rows(args, reverse, chunk), some_rows(args, slice(0, 1), chunk)
+        copies = torch.zeros(b, dtype=torch.long, device="cuda")
+        flipped, alone = some_rows(args, reverse, chunk), some_rows(args, copies, chunk)[:1]
         row = {
             "rows": b, "tokens": t, "shared": p, "past": past,
             "kernel_ms": graph_ms(ours), "folded_ms": graph_ms(folded),
@@ -536,6 +552,15 @@ def attention_kernel_check() -> list[dict]:
             "same_bytes_reversed": torch.equal(flipped, got[reverse]),
             "repeatable": torch.equal(got, ours()),
         }  # fmt: skip
+        tile = attention_kernels.query_tile(16 // 4, t)
+        if attention_kernels.shared_rows(b, -(-4 * t // tile), tile, chunk):
+            kept, attention_kernels.SHARED_ROWS = attention_kernels.SHARED_ROWS, 0
+            try:
+                one_row = ours()
+                row["one_row_ms"] = graph_ms(ours)
+                row["one_row_difference"] = (one_row.float() - exact)[valid].abs().max().item()
+            finally:
+                attention_kernels.SHARED_ROWS = kept
         for chunk in ATTENTION_CHUNKS:  # the shared keys in chunks, a second kernel merging
             chunked = partial(attention_kernels.attend_rows, *args, chunk=chunk)
             pieces = chunked()

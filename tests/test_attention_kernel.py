@@ -18,16 +18,26 @@ KERNEL_CHECK = textwrap.dedent(
     import torch
     from functools import partial
 
-    from runtime.model.attention_kernels import attend_rows
+    from runtime.model import attention_kernels
+    from runtime.model.attention_kernels import attend_rows, shared_rows
     from runtime.model.language import grouped_attention
 
     torch.manual_seed(0)
     worst = 0.0
-    # (rows, query heads, KV heads, tokens, head dim, shared keys, past keys, one past source)
-    for b, heads, kv_heads, t, hd, p, past, shared in [
+    # (rows, query heads, KV heads, tokens, head dim, shared keys, past keys, one past source);
+    # with CHUNK_MAX_ROWS 0 every pass reads as one question's large pass does: the shared
+    # keys for several rows a program (2 or 4 here), then each row's past and own keys
+    cases = [
         (3, 4, 2, 5, 32, 7, 3, False), (2, 8, 2, 8, 64, 70, 16, True),
         (1, 4, 2, 40, 32, 1, 1, True),
+    ]
+    for max_rows, b, heads, kv_heads, t, hd, p, past, shared in [
+        (m, *case) for m in (attention_kernels.CHUNK_MAX_ROWS, 0) for case in cases
     ]:
+        attention_kernels.CHUNK_MAX_ROWS = max_rows
+        if max_rows == 0 and p > 1:
+            tile = attention_kernels.query_tile(heads // kv_heads, t)
+            assert shared_rows(b, 1, tile, 0) >= 2
         q = torch.randn(b, t, heads, hd).transpose(1, 2)  # views, as mix gives them
         k, v = (torch.randn(b, t, kv_heads, hd).transpose(1, 2) for _ in range(2))
         shared_k, shared_v = torch.randn(1, kv_heads, p, hd), torch.randn(1, kv_heads, p, hd)
@@ -54,10 +64,16 @@ KERNEL_CHECK = textwrap.dedent(
             # over valid tokens: a padding token's output is never read
             worst = max(worst, float((got - expected)[valid].abs().max()))
             alone = attend(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
-            assert torch.equal(alone, got[:1]), "a row alone differs"
             back = torch.arange(b - 1, -1, -1)
             flipped = attend(*(x[back] if x.shape[0] == b else x for x in args), 0.3)
-            assert torch.equal(flipped, got[back]), "reversed rows differ"
+            if max_rows:
+                assert torch.equal(alone, got[:1]), "a row alone differs"
+                assert torch.equal(flipped, got[back]), "reversed rows differ"
+            else:  # several rows in one product: the interpreter's products are NumPy's,
+                # whose blocking rounds a row by where it sits (the H200 check is byte for
+                # byte: scripts/gpu_torch.py `attention_kernel_check`, 256 rows)
+                assert torch.allclose(alone, got[:1], rtol=0, atol=1e-5), "a row alone differs"
+                assert torch.allclose(flipped, got[back], rtol=0, atol=1e-5), "reversed differ"
     print(worst)
     """
 )

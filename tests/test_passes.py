@@ -266,13 +266,20 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
         length = part.rows.shape[1]
         size = rows_for(length, QUESTION_ROWS, QUESTION_TOKENS)
         assert part.rows.shape[0] == fitted_rows(len(part.members), size, fit)
+        opened = id(jp) in alone_ids  # an alone text runs through its first <|opt|>
         for row, qi in enumerate(part.members):
-            ids, positions = question_span(layouts[qi], work.prefix_length)
+            ids, positions = question_span(layouts[qi], work.prefix_length, opened)
             assert part.rows.input_ids[row, : len(ids)].tolist() == ids
             assert part.rows.positions[:, row, : len(ids)].tolist() == positions.tolist()
         for qi, index in part.zq_read.items():
-            ids, _ = question_span(layouts[qi], work.prefix_length)
-            assert part.rows.read_rows[index] == part.members.index(qi) * length + len(ids) - 1
+            ids, _ = question_span(layouts[qi], work.prefix_length, opened)
+            last = part.members.index(qi) * length + len(ids) - 1
+            assert part.rows.read_rows[index] == last - opened
+            for k, option_row in enumerate(layouts[qi].rows):
+                at = part.open_read.get((qi, k))
+                assert (at is not None) == (opened and option_row.first is not None)
+                if at is not None:
+                    assert part.rows.targets[at] == (last, option_row.first)
         assert {qi for qi, _ in part.first_read} <= set(part.zq_read)
         read += list(part.zq_read)
     assert sorted(read) == list(range(len(layouts)))
@@ -324,6 +331,7 @@ def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
     beside a small question or beside another wide one, in either order."""
     from runtime.passes import ALONE_ROWS, DUMMY_ROWS, OPTION_STEP, joint_parts
 
+    # "option 0" … "option 254" and the abstain option: 4-6 tokens after the shared <|opt|>
     wide, other = choice_with(255)["wide"], choice_with(70)["wide"]
     small = {"q0": QUESTIONS["q0"]}
 
@@ -335,7 +343,7 @@ def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
     prepared, work = joint_plan({"wide": wide})
     dummies = [(DUMMY_ROWS, OPTION_STEP)] * (joint_parts(tokens) - 1)
     assert [(jp.question.rows.shape, [op.rows.shape for op in jp.parts]) for jp in work.joint] == [
-        ((2, 16), [(ALONE_ROWS, OPTION_STEP), *dummies])
+        ((2, 16), [(ALONE_ROWS, 6), *dummies])
     ]
     expected = joint_rows_of(prepared, work, "wide")
     assert len(expected) == 1 + 255
@@ -355,16 +363,24 @@ def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
 
 def test_unpadded_targets_keep_their_count(tokenizer):
     """Pass.arrays(pad=False): the log-probability lists as planned (one read of token 0 at row
-    0 where there is none), the hidden reads still padded; padded, a power of two."""
+    0 where there is none), each target row once (`target_slots` saying which row a target
+    reads: the question pass reads every option's first token at one row), the hidden reads
+    still padded; padded, a power of two."""
     prepared, work = planned(tokenizer, {"wide": choice_with(70)["wide"]})
-    op = work.options[0]
-    arrays, padded = op.rows.arrays(pad=False), op.rows.arrays()
-    assert len(arrays["target_rows"]) == len(op.rows.targets) == len(arrays["target_tokens"])
-    assert arrays["target_rows"].tolist() == [t[0] for t in op.rows.targets]
-    assert len(padded["target_rows"]) == 1 << (len(op.rows.targets) - 1).bit_length()
-    assert arrays["read_rows"].tolist() == padded["read_rows"].tolist()
+    for p in (work.options[0].rows, work.questions[0].rows):
+        arrays, padded = p.arrays(pad=False), p.arrays()
+        rows = [t[0] for t in p.targets]
+        assert len(arrays["target_slots"]) == len(rows) == len(arrays["target_tokens"])
+        assert arrays["target_rows"].tolist() == sorted(set(rows))
+        assert arrays["target_rows"][arrays["target_slots"]].tolist() == rows
+        assert arrays["target_tokens"].tolist() == [t[1] for t in p.targets]
+        assert padded["target_rows"].tolist()[: len(rows)] == rows
+        assert len(padded["target_rows"]) == 1 << (len(rows) - 1).bit_length()
+        assert arrays["read_rows"].tolist() == padded["read_rows"].tolist()
+    assert len(work.questions[0].rows.arrays(pad=False)["target_rows"]) == 1  # 70 at its zq
     empty = work.prefix.arrays(pad=False)
     assert empty["target_rows"].tolist() == [0] and empty["target_tokens"].tolist() == [0]
+    assert empty["target_slots"].tolist() == [0]
 
 
 @pytest.mark.parametrize("joint", [False, True])
@@ -385,10 +401,10 @@ def test_host_readouts_take_each_read_where_the_plan_put_it(tokenizer, joint):
         arrays = p.arrays(pad=False)
         return (
             rng.random((len(arrays["read_rows"]), 8), dtype=np.float32),
-            rng.random(len(arrays["target_rows"]), dtype=np.float32),
+            rng.random(len(arrays["target_tokens"]), dtype=np.float32),
         )
 
-    taken, zq, first, u, picked = HostReadouts(), {}, {}, {}, {}
+    taken, zq, first, u, picked, opened = HostReadouts(), {}, {}, {}, {}, {}
     passes = [
         (qp, [op for op in work.options if op.question_pass == i])
         for i, qp in enumerate(work.questions)
@@ -399,11 +415,17 @@ def test_host_readouts_take_each_read_where_the_plan_put_it(tokenizer, joint):
         taken.take_question(qp, hidden, logprobs)
         zq.update({qi: hidden[i] for qi, i in qp.zq_read.items()})
         first.update({pair: float(logprobs[i]) for pair, i in qp.first_read.items()})
+        opened.update({pair: logprobs[i : i + 1] for pair, i in qp.open_read.items()})
         for op in ops:
             hidden, logprobs = outputs(op.rows)
             taken.take_options(op, hidden, logprobs)
             u.update({pair: hidden[i] for pair, i in op.u_read.items()})
             picked.update({pair: logprobs[i] for pair, i in op.text_reads.items()})
+    # a question alone (fitted joint plans: the 70-option one) reads each option's first text
+    # token at its shared <|opt|>, the first of the option's picked values
+    assert bool(opened) == joint
+    for pair, value in opened.items():
+        picked[pair] = np.concatenate([value, picked.get(pair, np.zeros(0, np.float32))])
     which = list(range(len(prepared.layouts)))[::-1]
     for qi, got in zip(which, taken.collect(prepared, which), strict=True):
         k = len(prepared.layouts[qi].rows)

@@ -445,6 +445,23 @@ def test_readout_pieces_match_the_plugin_arithmetic():
     assert torch.allclose(got, token_logprobs_std(rows, embedding, tokens), atol=1e-6)
 
 
+def test_the_readout_reads_a_row_once_for_all_its_targets(executor, monkeypatch):
+    """`readout` with `slots` (each row once, targets naming their row) gives every target the
+    bytes it has with the row repeated for each, across pieces (4 rows a piece here)."""
+    from runtime.backends import compiled
+
+    monkeypatch.setattr(compiled, "READOUT_PIECE", 4)
+    backend = executor.backend
+    generator = torch.Generator().manual_seed(2)
+    flat = torch.randn(40, backend.table.shape[1], generator=generator)
+    slots = torch.tensor([0, 0, 5, 1, 0, 5, 2, 3, 4, 4, 0, 6, 1])  # 7 rows over two pieces
+    rows = torch.tensor([3, 9, 11, 17, 20, 33, 39])
+    tokens = torch.randint(0, backend.vocab, (len(slots),), generator=generator)
+    once = backend.readout(flat, rows, tokens, slots)
+    repeated = backend.readout(flat, rows[slots], tokens)
+    assert once.dtype == torch.float32 and torch.equal(once, repeated)
+
+
 def test_artifacts_made_with_other_versions_are_refused(tmp_path, monkeypatch):
     from runtime.backends.compiled import check_artifacts, versions
 

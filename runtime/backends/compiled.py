@@ -46,6 +46,12 @@ log = logging.getLogger("omnijev.torch")
 # never depends on how many other rows the pass reads (invariance); 128 rows × the 248,079-row
 # table is where the product stops being bound by reading the table (1.27 GB in BF16)
 READOUT_PIECE = 128
+# A pass with more option rows than WIDE_PASS_ROWS holds one question alone (runtime.passes:
+# the joining family has at most 32 options, apart passes 64 rows, ALONE_ROWS 256), so its
+# piece may follow its own size: 256 rows, where the product is no longer bound by reading the
+# table (0.33 ms a 128-row piece on the H200, the table's read alone 0.32; h200-2026-12-04c)
+WIDE_PASS_ROWS = 64
+WIDE_READOUT_PIECE = 256
 # embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
 # to an sm75 kernel on the H200 (engines.md §15); the padded rows are never read
 TABLE_ALIGN = 64
@@ -72,7 +78,7 @@ VISION_GRAPHS = ("vision", IMAGE_GRAPH)  # the tower from packed pixels, or from
 VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
 # read by the readout, which runs after the captured body: a pass's graph is keyed by the body's
 # shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
-READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens")
+READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens", "target_slots")
 READOUT_OUTPUTS = ("hidden", "logprobs")
 ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a joint pass's
 # parts' option rows have these inputs (a JOINT_PREFIXES prefix + the name) besides the
@@ -232,17 +238,40 @@ def padded_table(embedding: torch.Tensor) -> torch.Tensor:
     return table
 
 
+def piece_norms(
+    rows: torch.Tensor, table: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """plugins.readout's arithmetic for READOUT_PIECE rows, up to the tokens: the logits in the
+    model's dtype over the padded table, each row's maximum (float32, padding cut before it) and
+    the log of its sum of exponentials (float64)."""
+    scores = rows @ table.transpose(0, 1)
+    upcast = scores[:, :vocab].float()
+    peak = upcast.amax(dim=-1)
+    total = (upcast - peak[:, None]).exp().double().sum(dim=-1)
+    return scores, peak, total.log()
+
+
+def picked_logprobs(
+    scores: torch.Tensor,
+    peak: torch.Tensor,
+    log_total: torch.Tensor,
+    local: torch.Tensor,
+    tokens: torch.Tensor,
+) -> torch.Tensor:
+    """The float32 log-probabilities of `tokens` at the piece rows `local` (piece_norms' rows):
+    the logit upcast, less the row maximum, in float64 less the log of the sum."""
+    shifted = scores[local, tokens].float() - peak[local]
+    return (shifted.double() - log_total[local]).float()
+
+
 def logprob_piece(
     rows: torch.Tensor, table: torch.Tensor, tokens: torch.Tensor, vocab: int
 ) -> torch.Tensor:
-    """plugins.readout's arithmetic for READOUT_PIECE rows: logits in the model's dtype over the
-    padded table (padding cut before the row maximum), upcast to float32, the sum of exponentials
-    in float64, the result float32."""
-    scores = (rows @ table.transpose(0, 1))[:, :vocab].float()
-    shifted = scores - scores.amax(dim=-1, keepdim=True)
-    total = shifted.exp().double().sum(dim=-1)
-    picked = shifted.gather(1, tokens[:, None])[:, 0]
-    return (picked.double() - total.log()).float()
+    """plugins.readout's arithmetic for READOUT_PIECE rows, a token each: `piece_norms`, then
+    `picked_logprobs`."""
+    scores, peak, log_total = piece_norms(rows, table, vocab)
+    local = torch.arange(rows.shape[0], device=rows.device)
+    return picked_logprobs(scores, peak, log_total, local, tokens)
 
 
 class TorchBackend:
@@ -403,7 +432,8 @@ class TorchBackend:
             "lm_state": partial(pass_body, self.language, return_state=True),
             "lm_rows": partial(pass_body, self.language, return_state=False),
             JOINT_GRAPH: partial(joint_body, self.language),
-            "readout": partial(logprob_piece, vocab=self.vocab),
+            "readout": partial(piece_norms, vocab=self.vocab),
+            "pick": picked_logprobs,
         }
         if not self.compiled:
             return functions
@@ -421,6 +451,7 @@ class TorchBackend:
             "lm_rows": partial(pass_body, self.language, return_state=False, blocks=blocks),
             JOINT_GRAPH: partial(joint_body, self.language, blocks=joint),
             "readout": torch.compile(functions["readout"], dynamic=False),
+            "pick": torch.compile(picked_logprobs, dynamic=True),
         }
 
     def graph_dtypes(self, graph: str) -> dict[str, torch.dtype]:
@@ -497,16 +528,27 @@ class TorchBackend:
 
     def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
         """The readouts of a pass from `flat`; a joint pass's parts' tokens follow its question
-        rows' there, in order, and every part's log-probabilities come from one `readout`."""
+        rows' there, in order, and every part's log-probabilities come from one `readout`
+        (each row once, where the plan gave `target_slots`: Pass.arrays(pad=False))."""
         parts, start = [("", 0)], feeds["input_ids"].numel()
         for prefix in fed_parts(feeds) if joint else ():
             parts.append((prefix, start))
             start += feeds[prefix + "input_ids"].numel()
         for prefix, offset in parts:
             outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + offset])
-        rows = torch.cat([feeds[prefix + "target_rows"] + offset for prefix, offset in parts])
-        tokens = torch.cat([feeds[prefix + "target_tokens"] for prefix, _ in parts])
-        logprobs = self.readout(flat, rows, tokens)
+        rows, slots, tokens, at = [], [], [], 0
+        for prefix, offset in parts:
+            mine = feeds[prefix + "target_rows"]
+            slot = feeds.get(prefix + "target_slots")
+            if slot is None:
+                slot = torch.arange(mine.shape[0], device=mine.device)
+            rows.append(mine + offset)
+            slots.append(slot + at)
+            tokens.append(feeds[prefix + "target_tokens"])
+            at += mine.shape[0]
+        wide = any(feeds[p + "input_ids"].shape[0] > WIDE_PASS_ROWS for p, _ in parts[1:])
+        piece = WIDE_READOUT_PIECE if wide else READOUT_PIECE
+        logprobs = self.readout(flat, torch.cat(rows), torch.cat(tokens), torch.cat(slots), piece)
         at = 0
         for prefix, _ in parts:
             count = outputs[prefix + "logprobs"].shape[0]
@@ -542,7 +584,12 @@ class TorchBackend:
     # -- passes -----------------------------------------------------------------------------
 
     def checked(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return checked_feeds(graph, feeds, self._dtypes[graph], self.device)
+        """The graph's feeds, and the plan's `target_slots` (not a graph input: the readout's)."""
+        expected = self._dtypes[graph]
+        if graph in LM_GRAPHS:
+            slots = [n for n in feeds if unprefixed(n) == "target_slots"]
+            expected = {**expected, **dict.fromkeys(slots, torch.int64)}
+        return checked_feeds(graph, feeds, expected, self.device)
 
     def bind(
         self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict, lane: int = 0
@@ -594,19 +641,31 @@ class TorchBackend:
         return device_pixel_values(resized, self.pixel_table).contiguous()
 
     def readout(
-        self, flat: torch.Tensor, target_rows: torch.Tensor, tokens: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        target_rows: torch.Tensor,
+        tokens: torch.Tensor,
+        slots: torch.Tensor | None = None,
+        piece: int | None = None,
     ) -> torch.Tensor:
-        """Log-probabilities of `tokens` at `target_rows`, READOUT_PIECE rows at a time."""
+        """Log-probabilities of `tokens`, target i at row `target_rows[slots[i]]` of `flat`
+        (`slots` None: target i at `target_rows[i]`), `piece` rows at a time (READOUT_PIECE
+        where None), each row once; every target reads the piece its row is in."""
+        if slots is None:
+            slots = torch.arange(target_rows.shape[0], device=target_rows.device)
+        piece = piece or READOUT_PIECE
         count = target_rows.shape[0]
-        pad = (-count) % READOUT_PIECE
+        pad = (-count) % piece
         rows = flat[F.pad(target_rows, (0, pad))]
-        tokens = F.pad(tokens, (0, pad))
-        piece = self.functions["readout"]
-        pieces = [
-            piece(rows[at : at + READOUT_PIECE], self.table, tokens[at : at + READOUT_PIECE])
-            for at in range(0, count + pad, READOUT_PIECE)
-        ]
-        return torch.cat(pieces)[:count]
+        norms, pick = self.functions["readout"], self.functions["pick"]
+        result = None
+        for at in range(0, count + pad, piece):
+            scores, peak, log_total = norms(rows[at : at + piece], self.table)
+            local = slots - at
+            value = pick(scores, peak, log_total, local.clamp(0, piece - 1), tokens)
+            inside = (local >= 0) & (local < piece)
+            result = value if result is None else torch.where(inside, value, result)
+        return result
 
 
 def lane_streams(device: torch.device, lanes: int) -> list[torch.cuda.Stream]:

@@ -43,6 +43,16 @@ CHUNK_KEYS = 128
 # question with more options than the joining family runs in a larger pass, alone
 # (runtime.passes.ALONE_ROWS), whose rows follow its own option count
 CHUNK_MAX_ROWS = 64
+# Those larger passes (one question's option rows, alone) read the shared keys for several rows
+# a program: every row of them reads the same prefix keys, so a program of this many folded
+# query rows (whole rows' tiles, e.g. 2 rows of 32) reads each key once for all of them, and a
+# second kernel goes on from its softmax state per row over the row's past and own keys. A
+# row's sums over the shared keys come in the same order wherever it sits (the shared keys are
+# the same for every row: no other row's key enters a row's products), so its bytes still do
+# not follow its neighbours. On the H200 the one-program form took 0.45 ms a layer for 256
+# option rows of 8 tokens, each program walking the 640 keys for one row (h200-2026-12-04c).
+# 0 turns it off
+SHARED_ROWS = 64
 # The image prefix's pass is the only one whose shared and past keys are one key each: the
 # empty state's, masked (runtime.executor.empty_state). Its attention is then causal over its
 # own keys (right padding: a valid token sees no padding), which PyTorch's fused attention
@@ -106,28 +116,74 @@ if triton is not None:
         tl.store(out + at, result.to(out.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
+    def _shared_rows_kernel(
+        q, shared_k, shared_v, mask, part_acc, part_ml, scale, B, T, P, Q, KVH,
+        sq_b, sq_h, sq_t, ss_h, ss_n,
+        G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
+        BN: tl.constexpr,
+    ):  # fmt: skip
+        """One program: R rows' query tiles (BM folded rows each, as `_query_tile` lays out a
+        row of one tile) of one KV head against every shared prefix key; writes each row's
+        softmax state (weighted values, max, sum) for `_attention_kernel` to go on from
+        (RESUME)."""
+        i_kvh = tl.program_id(1)
+        o = tl.arange(0, R * BM)
+        f = o % BM
+        i_b = tl.program_id(0) * R + o // BM
+        real = i_b < B
+        i_b = tl.where(real, i_b, 0).to(tl.int64)
+        row_ok = real & (f < G * T)
+        o_t = tl.where(row_ok, f % T, 0)
+        head = i_kvh * G + tl.where(row_ok, f // T, 0)
+        o_d = tl.arange(0, D)
+        rows = q + i_b[:, None] * sq_b + head[:, None] * sq_h + o_t[:, None] * sq_t + o_d[None, :]
+        b_q = tl.load(rows, mask=row_ok[:, None], other=0.0)
+        acc = tl.zeros([R * BM, D], dtype=tl.float32)
+        m_i = tl.full([R * BM], MASKED_SCORE, dtype=tl.float32)
+        l_i = tl.zeros([R * BM], dtype=tl.float32)
+        visible = mask + (i_b * T + o_t) * (P + Q + T)
+        at = i_kvh * ss_h
+        acc, m_i, l_i = _keys_step(
+            acc, m_i, l_i, b_q, shared_k + at, shared_v + at, ss_n, P, visible, row_ok, scale,
+            D, BN,
+        )  # fmt: skip
+        piece = i_b * KVH + i_kvh  # the row's one query tile, as `_attention_kernel` numbers it
+        tl.store(part_acc + (piece * BM + f)[:, None] * D + o_d[None, :], acc, mask=real[:, None])
+        tl.store(part_ml + piece * 2 * BM + f, m_i, mask=real)
+        tl.store(part_ml + piece * 2 * BM + BM + f, l_i, mask=real)
+
+    @triton.jit
     def _attention_kernel(
         q, shared_k, shared_v, past_k, past_v, own_k, own_v, mask, out, part_acc, part_ml,
         scale, T, P, Q, KVH,
         sq_b, sq_h, sq_t, ss_h, ss_n, sp_b, sp_h, sp_n, so_b, so_h, so_n,
         G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        CHUNK: tl.constexpr,
+        CHUNK: tl.constexpr, RESUME: tl.constexpr,
     ):  # fmt: skip
         """One program: BM folded query rows (group member, token) of one row and KV head,
         against the shared prefix keys, the row's past and its own keys up to its tile's last
         token (own keys are causal). With CHUNK, program (…, c) takes the shared keys
         [c·CHUNK, (c+1)·CHUNK) only, the last one the past and own keys, and each writes its
-        softmax's running max, sum and weighted values for `_merge_kernel`."""
+        softmax's running max, sum and weighted values for `_merge_kernel`. With RESUME (one
+        tile a row), the shared keys' state comes from `_shared_rows_kernel` instead."""
         i_m, i_bh, i_b, i_kvh, row_ok, o_t, head = _query_tile(KVH, T, G, BM)
         o_d = tl.arange(0, D)
         rows = q + i_b * sq_b + head[:, None] * sq_h + o_t[:, None] * sq_t + o_d[None, :]
         b_q = tl.load(rows, mask=row_ok[:, None], other=0.0)
-        acc = tl.zeros([BM, D], dtype=tl.float32)
-        m_i = tl.full([BM], MASKED_SCORE, dtype=tl.float32)
-        l_i = tl.zeros([BM], dtype=tl.float32)
+        shared = P
+        if RESUME:
+            o_r = tl.arange(0, BM)
+            acc = tl.load(part_acc + (i_bh * BM + o_r)[:, None] * D + o_d[None, :])
+            m_i = tl.load(part_ml + i_bh * 2 * BM + o_r)
+            l_i = tl.load(part_ml + i_bh * 2 * BM + BM + o_r)
+            shared = 0
+        else:
+            acc = tl.zeros([BM, D], dtype=tl.float32)
+            m_i = tl.full([BM], MASKED_SCORE, dtype=tl.float32)
+            l_i = tl.zeros([BM], dtype=tl.float32)
         visible = mask + (i_b * T + o_t) * (P + Q + T)
         last = tl.max(tl.where(row_ok, o_t, 0)) + 1  # no token sees a later one of its row
-        first, shared, past_count = 0, P, Q
+        first, past_count = 0, Q
         if CHUNK:
             i_c = tl.program_id(2)
             first = i_c * CHUNK
@@ -235,6 +291,17 @@ def pass_chunk(rows: int) -> int:
     return CHUNK_KEYS if rows <= CHUNK_MAX_ROWS else 0
 
 
+def shared_rows(rows: int, tiles: int, tile: int, chunk: int) -> int:
+    """Rows a `_shared_rows_kernel` program takes in a pass of `rows` rows (0: that kernel is
+    not used): passes of more than CHUNK_MAX_ROWS rows (one question's, alone) read in one
+    program (no chunks), each row in one query tile, SHARED_ROWS // tile rows of them a
+    program where that is two or more."""
+    if not SHARED_ROWS or chunk or rows <= CHUNK_MAX_ROWS or tiles != 1:
+        return 0
+    count = SHARED_ROWS // tile
+    return count if count >= 2 else 0
+
+
 def attend_rows(
     q, shared_k, shared_v, past_k, past_v, k, v, mask, scale, chunk: int | None = None
 ) -> torch.Tensor:
@@ -265,20 +332,32 @@ def attend_rows(
     out = v.new_empty(b, t, heads * hd)
     keys_per_step, warps = TILES[tile]
     tiles = triton.cdiv(group * t, tile)
+    mask = mask.contiguous()
+    rows_a_program = shared_rows(b, tiles, tile, chunk)
     chunks = triton.cdiv(p, chunk) + 1 if chunk else 1
     grid = (tiles, b * kv_heads, chunks)
     pieces = tiles * b * kv_heads * chunks if chunk else 0
+    if rows_a_program:
+        pieces = b * kv_heads
     part_acc = q.new_empty(pieces, tile, hd, dtype=torch.float32)
     part_ml = q.new_empty(pieces, 2, tile, dtype=torch.float32)
+    if rows_a_program:
+        shared_step, shared_warps = TILES[rows_a_program * tile]
+        _shared_rows_kernel[(triton.cdiv(b, rows_a_program), kv_heads)](
+            q, shared_k, shared_v, mask, part_acc, part_ml, scale, b, t, p, past, kv_heads,
+            q.stride(0), q.stride(1), q.stride(2), shared_k.stride(1), shared_k.stride(2),
+            G=group, D=hd, BM=tile, R=rows_a_program, BN=shared_step, num_warps=shared_warps,
+            num_stages=STAGES,
+        )  # fmt: skip
     _attention_kernel[grid](
-        q, shared_k, shared_v, past_k, past_v, k, v, mask.contiguous(), out, part_acc, part_ml,
+        q, shared_k, shared_v, past_k, past_v, k, v, mask, out, part_acc, part_ml,
         scale, t, p, past, kv_heads,
         q.stride(0), q.stride(1), q.stride(2),
         shared_k.stride(1), shared_k.stride(2),
         past_k.stride(0), past_k.stride(1), past_k.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
-        G=group, D=hd, BM=tile, BN=keys_per_step, CHUNK=chunk, num_warps=warps,
-        num_stages=STAGES,
+        G=group, D=hd, BM=tile, BN=keys_per_step, CHUNK=chunk, RESUME=rows_a_program > 0,
+        num_warps=warps, num_stages=STAGES,
     )  # fmt: skip
     if chunk:
         _merge_kernel[(tiles, b * kv_heads)](

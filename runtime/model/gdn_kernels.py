@@ -58,10 +58,12 @@ OPTION_BLOCKS = True
 # valid, CUDA-graph replays) 256 × 8 from one source took 0.167 ms at 32 × 64 × 4, 0.333 at
 # 64 × 64 × 8, against 0.405 in the recurrent kernel; 64 × 8 from 16 sources 0.067 / 0.153 /
 # 0.111 (h200-2026-12-04b, calls 1 and 2). 16 × 64 × 2 was faster still on every shape (0.129,
-# 0.046) but has not run in whole passes, which were measured at 32 × 64 × 4
-BLOCK_TOKENS = 32
+# 0.046); in whole passes, with CONV_IN_PLACE, the GPU stages went 56.0 → 55.0 ms (255
+# options), 35.6 → 34.9 (12 questions), 24.5 → 23.8 (1 question), the invariance check byte for
+# byte in both (h200-2026-12-04c, call 1)
+BLOCK_TOKENS = 16
 BLOCK_V = 64
-BLOCK_WARPS = 4
+BLOCK_WARPS = 2
 # Rows of 24 tokens were slower in blocks than in the recurrent kernel (4 × 24: 0.026 ms
 # against 0.025; 16 × 24 from 16 sources 0.100 against 0.081), rows of 16 faster (32 × 16 from
 # 16 sources 0.066 against 0.113): longer rows keep the recurrent kernel
@@ -80,9 +82,10 @@ BLOCK_KEYS = 32  # keys a step of the block kernel's products reads
 # (h200-2026-12-04b, calls 1 and 3); reading the slice in place and writing no state for
 # option rows are what is left
 CONV_KERNEL = True
-# the next step, not yet run on the H200 (off): the input read in place through its strides,
-# and no conv state written for option rows (a leaf's state is never read)
-CONV_IN_PLACE = False
+# the input read in place through its strides, and no conv state written for option rows (a
+# leaf's state is never read): with the block tile above, 0.7-1 ms off every workload's GPU
+# stages on the H200 (h200-2026-12-04c, call 1); False copies the slice in, as before
+CONV_IN_PLACE = True
 CONV_TOKENS = 8  # token slots a program
 CONV_CHANNELS = 256  # channels a program
 
