@@ -49,9 +49,9 @@ CHUNK_MAX_ROWS = 64
 # second kernel goes on from its softmax state per row over the row's past and own keys. A
 # row's sums over the shared keys come in the same order wherever it sits (the shared keys are
 # the same for every row: no other row's key enters a row's products), so its bytes still do
-# not follow its neighbours. On the H200 the one-program form took 0.45 ms a layer for 256
-# option rows of 8 tokens, each program walking the 640 keys for one row (h200-2026-12-04c).
-# 0 turns it off
+# not follow its neighbours. On the H200, 256 option rows of 8 tokens: 0.452 ms a layer with
+# one row a program, 0.428 with two (kernels alone; h200-2026-12-04c): a small gain, the
+# one-row programs were not bound by reading the keys. 0 turns it off
 SHARED_ROWS = 64
 # The image prefix's pass is the only one whose shared and past keys are one key each: the
 # empty state's, masked (runtime.executor.empty_state). Its attention is then causal over its
