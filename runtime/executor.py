@@ -838,7 +838,7 @@ class HostReadouts:
 
     zq: dict[int, np.ndarray] = field(default_factory=dict)
     first: dict[tuple[int, int], float] = field(default_factory=dict)
-    # the first text token's log-probability where the question part read it (`open_read`)
+    # the first text tokens' log-probabilities where the question part read them (`open_read`)
     opened: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     u_at: dict[tuple[int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
     picked: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
@@ -851,21 +851,14 @@ class HostReadouts:
             index = np.fromiter(qp.first_read.values(), np.intp, len(qp.first_read))
             self.first.update(zip(qp.first_read, logprobs[index].tolist(), strict=True))
         if qp.open_read:
-            index = np.fromiter(qp.open_read.values(), np.intp, len(qp.open_read))
-            values = logprobs[index].astype(np.float32, copy=False)
-            self.opened.update(zip(qp.open_read, values[:, None], strict=True))
+            self.opened.update(gathered(qp.open_read, logprobs))
 
     def take_options(self, op: OptionPass, hidden: np.ndarray, logprobs: np.ndarray) -> None:
         """An option pass's readouts: where its options' u are, and their texts'
         log-probabilities, gathered in one indexing, then views by option."""
         self.u_at.update((pair, (hidden, index)) for pair, index in op.u_read.items())
         if op.text_reads:
-            reads = list(op.text_reads.values())
-            flat = np.fromiter(chain.from_iterable(reads), np.intp)
-            picked = logprobs[flat].astype(np.float32, copy=False)
-            ends = np.cumsum([len(r) for r in reads]).tolist()
-            pieces = [picked[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-            self.picked.update(zip(op.text_reads, pieces, strict=True))
+            self.picked.update(gathered(op.text_reads, logprobs))
 
     def options_u(self, qi: int, k: int) -> np.ndarray:
         """Question `qi`'s u, float32 [k, D]: one gather where one pass holds them all."""
@@ -878,8 +871,8 @@ class HostReadouts:
         return u.astype(np.float32, copy=False)
 
     def picked_of(self, qi: int, k: int) -> np.ndarray | None:
-        """Option k's text log-probabilities in token order: the one its question part read
-        at the shared `<|opt|>` (if any), then its option pass's."""
+        """Option k's text log-probabilities in token order: those its question part read over
+        the options' shared leading tokens (if any), then its option pass's."""
         picked, opened = self.picked.get((qi, k)), self.opened.get((qi, k))
         if opened is None:
             return picked
@@ -900,6 +893,17 @@ class HostReadouts:
                 )
             )
         return readouts
+
+
+def gathered(reads: dict, logprobs: np.ndarray) -> dict:
+    """Each key's float32 log-probabilities at its indices (`reads`: key -> indices), in one
+    indexing, then views by key."""
+    lists = list(reads.values())
+    flat = np.fromiter(chain.from_iterable(lists), np.intp)
+    values = logprobs[flat].astype(np.float32, copy=False)
+    ends = np.cumsum([len(r) for r in lists]).tolist()
+    pieces = [values[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    return dict(zip(reads, pieces, strict=True))
 
 
 def warm_up_image() -> str:

@@ -62,12 +62,15 @@ JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
 # each pass paying ~1,300 kernels and a weight read whatever its rows
 ALONE_ROWS = 256
 ALONE_FAMILY = ((MAX_OPTIONS, ALONE_ROWS, ALONE_ROWS * OPTION_STEP),)  # 256 × 8, 128 × 16, ...
-# An alone question's text runs through its first `<|opt|>` (its question part reads the first
-# option-text token's log-probabilities there), and its option rows start after it: every row
-# began with that token at the same position from the same state, so its work was the same in
-# each, 255 of the 255-option pass's 1,675 tokens. Its options of at most OPTION_STEP tokens
-# then share one pass as wide as the longest of them, in steps of ALONE_STEP: the bench's 255
-# options (4-6 tokens after the shared one) in 256 × 6 token slots where 256 × 8 held them
+# An alone question's text runs on through the leading tokens all its option blocks share
+# (`shared_tokens`: at least its first `<|opt|>`; its question part reads the log-probabilities
+# of each option's text tokens there), and its option rows start after them: every row began
+# with those tokens at the same positions from the same state, so their work was the same in
+# each. The `<|opt|>` alone was 255 of the 255-option pass's 1,675 tokens: on the H200, with
+# each readout row read once, its GPU stages went 62.2 → 56.0 ms (h200-2026-12-04c, call 1a,
+# rows 256 × 6). Its options of at most OPTION_STEP tokens then share one pass as wide as the
+# longest of them, in steps of ALONE_STEP. The bench's 255 options ("option 0" …) also share
+# "option" and " ": rows of 256 × 4 token slots where 256 × 8 held them (not yet timed)
 ALONE_STEP = 2
 # A joint pass may hold up to this many option passes (its parts) whose questions share a text
 # length bucket: their question rows once, their option rows each in a part of its own length.
@@ -191,10 +194,11 @@ class QuestionPass:
     members: list[int]
     zq_read: dict[int, int]  # question -> index into hidden readouts
     first_read: dict[tuple[int, int], int]  # (question, option) -> index into logprobs
-    # (question, option) -> index into logprobs of its first text token read at the question's
-    # `<|opt|>`, where the text ends with it (question_span's `opened`): the first of the
-    # option's text reads, which its option pass's `text_reads` then go on from
-    open_read: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (question, option) -> indices into logprobs of its first text tokens, read where the text
+    # runs on through the options' shared leading tokens (question_span's `shared`), in token
+    # order: the first of the option's text reads, which its option pass's `text_reads` go on
+    # from
+    open_read: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -274,23 +278,33 @@ def plan_prefix(prepared: Prepared) -> tuple[Pass, int]:
 
 
 def question_span(
-    layout: QuestionLayout, start: int, opened: bool = False
+    layout: QuestionLayout, start: int, shared: int = 0
 ) -> tuple[list[int], np.ndarray]:
-    """The question's own text: from the image prefix to its zq token inclusive, or with
-    `opened` to its first `<|opt|>` inclusive (an alone question's: ALONE_STEP)."""
-    end = layout.opens[0] + opened
+    """The question's own text: from the image prefix to its zq token inclusive, and the
+    `shared` leading tokens of its option blocks after it (an alone question's:
+    `shared_tokens`)."""
+    end = layout.opens[0] + shared
     return list(layout.token_ids[start:end]), layout.positions[:, start:end]
 
 
-def option_span(
-    layout: QuestionLayout, k: int, opened: bool = False
-) -> tuple[list[int], np.ndarray]:
-    """Option k's block <|opt|> … <|/opt|> (with `opened`, the block after its <|opt|>), at
-    the positions it has as the question's only option (the reference branches each row
-    straight after the question, model.md §8.4)."""
-    ids = list(layout.token_ids[layout.opens[k] + opened : layout.closes[k] + 1])
-    base = int(layout.positions[0, layout.opens[0]]) + opened
+def option_span(layout: QuestionLayout, k: int, shared: int = 0) -> tuple[list[int], np.ndarray]:
+    """Option k's block <|opt|> … <|/opt|> (after its `shared` leading tokens), at the
+    positions it has as the question's only option (the reference branches each row straight
+    after the question, model.md §8.4)."""
+    ids = list(layout.token_ids[layout.opens[k] + shared : layout.closes[k] + 1])
+    base = int(layout.positions[0, layout.opens[0]]) + shared
     return ids, np.broadcast_to(base + np.arange(len(ids)), (3, len(ids))).astype(np.int64)
+
+
+def shared_tokens(layout: QuestionLayout) -> int:
+    """How many leading tokens every option block of the question has in common (its
+    `<|opt|>` at least), leaving each block its last token, the `<|/opt|>` where u is read."""
+    blocks = [layout.token_ids[o : c + 1] for o, c in zip(layout.opens, layout.closes, strict=True)]
+    most = min(len(block) for block in blocks) - 1
+    count = 1
+    while count < most and len({block[count] for block in blocks}) == 1:
+        count += 1
+    return count
 
 
 def plan_questions(
@@ -318,8 +332,8 @@ def question_pass(
 ) -> QuestionPass:
     """A pass of `rows` rows of `length` tokens holding the texts of the questions `chunk`;
     the questions in `read` get their readouts (the zq row and the options' first tokens; for
-    a text that ends with its first `<|opt|>`, question_span's `opened`, the first tokens
-    again there, as the first of each option's text reads)."""
+    a text that runs on through its options' shared leading tokens, question_span's
+    `shared`, each option's text tokens read there, the first of its text reads)."""
     p = empty_pass(rows, length)
     qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
     for row, qi in enumerate(chunk):
@@ -327,20 +341,26 @@ def question_pass(
         fill_row(p, row, ids, positions)
         if qi not in read:
             continue
-        opened = ids[-1] == OPEN_ID
-        last = row * length + len(ids) - 1
-        zq_flat = last - opened
+        # the span holds no <|opt|> but the shared tokens' first (user text cannot hold one)
+        shared = len(ids) - ids.index(OPEN_ID) if OPEN_ID in ids else 0
+        zq_flat = row * length + len(ids) - 1 - shared
         qp.zq_read[qi] = len(p.read_rows)
         p.read_rows.append(zq_flat)
-        if prepared.layouts[qi].question.type == "score":
+        layout = prepared.layouts[qi]
+        if layout.question.type == "score":
             continue
-        for k, option_row in enumerate(prepared.layouts[qi].rows):
+        for k, option_row in enumerate(layout.rows):
             if option_row.first is not None:
                 qp.first_read[(qi, k)] = len(p.targets)
                 p.targets.append((zq_flat, option_row.first))
-                if opened:
-                    qp.open_read[(qi, k)] = len(p.targets)
-                    p.targets.append((last, option_row.first))
+            # text token j of the block (1 … its last before <|/opt|>) read at token j - 1
+            text = layout.closes[k] - layout.opens[k] - 1
+            reads = range(1, min(shared, text) + 1)
+            if reads:
+                qp.open_read[(qi, k)] = list(range(len(p.targets), len(p.targets) + len(reads)))
+                p.targets.extend(
+                    (zq_flat + j, layout.token_ids[layout.opens[k] + j]) for j in reads
+                )
     return qp
 
 
@@ -349,20 +369,21 @@ def plan_options(
     question_passes: list[QuestionPass],
     fit: bool = False,
     families: tuple = OPTION_FAMILIES,
-    opened: bool = False,
+    share: bool = False,
 ) -> list[OptionPass]:
     """The options of one question pass's questions by family (option_family of the question's
     option count among `families`) and length bucket (`option_buckets`), the family's rows a
     pass (fewer for long buckets: rows_for; with `fit`, as many as the pass holds), each row
-    continuing its question's row; with `opened` (texts through their first `<|opt|>`), each
-    row the option's block after its `<|opt|>`."""
+    continuing its question's row; with `share` (texts through their options' shared leading
+    tokens), each row the option's block after them."""
     passes = []
     for pi, qp in enumerate(question_passes):
         groups: dict[tuple[tuple[int, int], int], list[tuple[int, int, int]]] = {}
         for source, qi in enumerate(qp.members):
             layout = prepared.layouts[qi]
             family = option_family(len(layout.opens), families)
-            for k, length in enumerate(option_buckets(layout, opened)):
+            shared = shared_tokens(layout) if share else 0
+            for k, length in enumerate(option_buckets(layout, shared)):
                 groups.setdefault((family, length), []).append((qi, k, source))
         for ((family_rows, family_tokens), length), rows in sorted(groups.items()):
             size = rows_for(length, family_rows, family_tokens)
@@ -370,17 +391,18 @@ def plan_options(
                 chunk = rows[chunk_start : chunk_start + size]
                 p = empty_pass(fitted_rows(len(chunk), size, fit), length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
-                fill_options(op, prepared.layouts, chunk, length, opened)
+                fill_options(op, prepared.layouts, chunk, length, share)
                 passes.append(op)
     return passes
 
 
-def option_buckets(layout: QuestionLayout, opened: bool = False) -> list[int]:
-    """Each option row's length bucket: OPTION_STEP steps; with `opened` (rows after the shared
-    `<|opt|>`), the rows of at most OPTION_STEP tokens all in the bucket of the longest of them,
-    in ALONE_STEP steps, so that they share one pass (a function of the question alone)."""
-    lengths = [c - o + 1 - opened for o, c in zip(layout.opens, layout.closes, strict=True)]
-    if not opened:
+def option_buckets(layout: QuestionLayout, shared: int = 0) -> list[int]:
+    """Each option row's length bucket: OPTION_STEP steps; with `shared` (rows after the
+    blocks' shared leading tokens), the rows of at most OPTION_STEP tokens all in the bucket of
+    the longest of them, in ALONE_STEP steps, so that they share one pass (a function of the
+    question alone)."""
+    lengths = [c - o + 1 - shared for o, c in zip(layout.opens, layout.closes, strict=True)]
+    if not shared:
         return [bucket(n, OPTION_STEP) for n in lengths]
     short = bucket(max((n for n in lengths if n <= OPTION_STEP), default=1), ALONE_STEP)
     return [short if n <= OPTION_STEP else bucket(n, OPTION_STEP) for n in lengths]
@@ -391,25 +413,26 @@ def fill_options(
     layouts: tuple[QuestionLayout, ...],
     chunk: list,
     length: int,
-    opened: bool = False,
+    share: bool = False,
 ) -> None:
     """`fill_row` of each option of `chunk` ((question, option, source row) per row) with its
-    `option_span` (`opened`: after its `<|opt|>`), then its reads: the u row and, but for
-    Score, each text token from the one before (with `opened`, the first text token's is the
-    question part's `open_read`). An option's tokens are text, so its three M-RoPE positions
-    are equal and count on from the question's first option through the padding: one array
-    operation for the pass."""
+    `option_span` (`share`: after its question's `shared_tokens`), then its reads: the u row
+    and, but for Score, each text token from the one before (with `share`, those read in the
+    question part are its `open_read`). An option's tokens are text, so its three M-RoPE
+    positions are equal and count on from the question's first option through the padding:
+    one array operation for the pass."""
     p = op.rows
     bases = np.zeros(len(chunk), dtype=np.int64)
     for row, (qi, k, source) in enumerate(chunk):
         layout = layouts[qi]
-        start, end = layout.opens[k] + opened, layout.closes[k] + 1
+        shared = shared_tokens(layout) if share else 0
+        start, end = layout.opens[k] + shared, layout.closes[k] + 1
         ids = layout.token_ids[start:end]
         n = end - start
         p.input_ids[row, :n] = ids
         p.lengths[row] = n
         p.src[row] = source
-        bases[row] = layout.positions[0, layout.opens[0]] + opened
+        bases[row] = layout.positions[0, layout.opens[0]] + shared
         op.members.append((qi, k))
         op.u_read[(qi, k)] = len(p.read_rows)
         p.read_rows.append(row * length + n - 1)
@@ -548,7 +571,10 @@ def plan(
     layouts = prepared.layouts
     joining = {qi for qi, layout in enumerate(layouts) if joint and joins(layout)}
     alone = set() if not (joint and fit) else set(range(len(layouts))) - joining
-    spans = [question_span(layout, n, qi in alone) for qi, layout in enumerate(layouts)]
+    spans = [
+        question_span(layout, n, shared_tokens(layout) if qi in alone else 0)
+        for qi, layout in enumerate(layouts)
+    ]
     apart = set(range(len(layouts))) - joining - alone
     questions = plan_questions(prepared, spans, question_rows, fit, only=apart)
     work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
@@ -567,12 +593,12 @@ def plan(
 def plan_alone(
     prepared: Prepared, spans: list, qi: int, question_rows: int, parts: int = 1
 ) -> list[JointPass]:
-    """Question `qi`'s text (its span `opened`) and its options in ALONE_FAMILY passes
-    (fitted), `parts` option passes a joint pass (dummy parts filling the last), holding
-    nothing of any other question: the shapes are a function of that question alone,
-    whatever their token slots."""
+    """Question `qi`'s text (its span through the options' `shared_tokens`) and its options in
+    ALONE_FAMILY passes (fitted), `parts` option passes a joint pass (dummy parts filling the
+    last), holding nothing of any other question: the shapes are a function of that question
+    alone, whatever their token slots."""
     mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi})
-    theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY, opened=True)
+    theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY, share=True)
     every_slot = sum(int(np.prod(op.rows.shape)) for op in theirs) + QUESTION_TOKENS  # no bound
     return plan_joint(prepared, spans, mine, theirs, question_rows, True, every_slot, parts)
 

@@ -35,10 +35,10 @@ def tokenizer():
     return load_tokenizer(None)
 
 
-def planned(tokenizer, questions: dict, rows: int = QUESTION_ROWS) -> tuple:
+def planned(tokenizer, questions: dict, rows: int = QUESTION_ROWS, **options) -> tuple:
     request = compile_request(parse_body(request_body(IMAGE, questions)))
     prepared = prepare(request, tokenizer)
-    return prepared, plan(prepared, rows)
+    return prepared, plan(prepared, rows, **options)
 
 
 def row_of(p, row: int) -> dict:
@@ -221,6 +221,7 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
         plan_options,
         plan_questions,
         question_span,
+        shared_tokens,
     )
 
     monkeypatch.setattr(passes, "JOINT_PARTS", parts)
@@ -266,20 +267,27 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
         length = part.rows.shape[1]
         size = rows_for(length, QUESTION_ROWS, QUESTION_TOKENS)
         assert part.rows.shape[0] == fitted_rows(len(part.members), size, fit)
-        opened = id(jp) in alone_ids  # an alone text runs through its first <|opt|>
+        # an alone text runs on through its options' shared leading tokens (<|opt|> at least)
+        alone_pass = id(jp) in alone_ids
         for row, qi in enumerate(part.members):
-            ids, positions = question_span(layouts[qi], work.prefix_length, opened)
+            shared = shared_tokens(layouts[qi]) if alone_pass else 0
+            ids, positions = question_span(layouts[qi], work.prefix_length, shared)
             assert part.rows.input_ids[row, : len(ids)].tolist() == ids
             assert part.rows.positions[:, row, : len(ids)].tolist() == positions.tolist()
         for qi, index in part.zq_read.items():
-            ids, _ = question_span(layouts[qi], work.prefix_length, opened)
-            last = part.members.index(qi) * length + len(ids) - 1
-            assert part.rows.read_rows[index] == last - opened
-            for k, option_row in enumerate(layouts[qi].rows):
-                at = part.open_read.get((qi, k))
-                assert (at is not None) == (opened and option_row.first is not None)
-                if at is not None:
-                    assert part.rows.targets[at] == (last, option_row.first)
+            layout = layouts[qi]
+            shared = shared_tokens(layout) if alone_pass else 0
+            assert shared >= alone_pass
+            ids, _ = question_span(layout, work.prefix_length, shared)
+            zq_flat = part.members.index(qi) * length + len(ids) - 1 - shared
+            assert part.rows.read_rows[index] == zq_flat
+            for k, (o, c) in enumerate(zip(layout.opens, layout.closes, strict=True)):
+                block = layout.token_ids[o : c + 1]
+                assert block[:shared] == layout.token_ids[layout.opens[0] :][:shared]
+                at = part.open_read.get((qi, k), [])
+                # text token j of the block, read at the token before it in the question row
+                expected = [(zq_flat + j, block[j]) for j in range(1, min(shared, c - o - 1) + 1)]
+                assert [part.rows.targets[i] for i in at] == expected
         assert {qi for qi, _ in part.first_read} <= set(part.zq_read)
         read += list(part.zq_read)
     assert sorted(read) == list(range(len(layouts)))
@@ -331,7 +339,8 @@ def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
     beside a small question or beside another wide one, in either order."""
     from runtime.passes import ALONE_ROWS, DUMMY_ROWS, OPTION_STEP, joint_parts
 
-    # "option 0" … "option 254" and the abstain option: 4-6 tokens after the shared <|opt|>
+    # "option 0" … "option 254": every block begins <|opt|> "option" " ", then 1-3 digits and
+    # the <|/opt|>: rows of 2-4 tokens
     wide, other = choice_with(255)["wide"], choice_with(70)["wide"]
     small = {"q0": QUESTIONS["q0"]}
 
@@ -343,7 +352,7 @@ def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
     prepared, work = joint_plan({"wide": wide})
     dummies = [(DUMMY_ROWS, OPTION_STEP)] * (joint_parts(tokens) - 1)
     assert [(jp.question.rows.shape, [op.rows.shape for op in jp.parts]) for jp in work.joint] == [
-        ((2, 16), [(ALONE_ROWS, 6), *dummies])
+        ((2, 32), [(ALONE_ROWS, 4), *dummies])
     ]
     expected = joint_rows_of(prepared, work, "wide")
     assert len(expected) == 1 + 255
@@ -415,14 +424,14 @@ def test_host_readouts_take_each_read_where_the_plan_put_it(tokenizer, joint):
         taken.take_question(qp, hidden, logprobs)
         zq.update({qi: hidden[i] for qi, i in qp.zq_read.items()})
         first.update({pair: float(logprobs[i]) for pair, i in qp.first_read.items()})
-        opened.update({pair: logprobs[i : i + 1] for pair, i in qp.open_read.items()})
+        opened.update({pair: logprobs[i] for pair, i in qp.open_read.items()})
         for op in ops:
             hidden, logprobs = outputs(op.rows)
             taken.take_options(op, hidden, logprobs)
             u.update({pair: hidden[i] for pair, i in op.u_read.items()})
             picked.update({pair: logprobs[i] for pair, i in op.text_reads.items()})
     # a question alone (fitted joint plans: the 70-option one) reads each option's first text
-    # token at its shared <|opt|>, the first of the option's picked values
+    # tokens over its options' shared leading tokens, the first of the option's picked values
     assert bool(opened) == joint
     for pair, value in opened.items():
         picked[pair] = np.concatenate([value, picked.get(pair, np.zeros(0, np.float32))])
@@ -436,3 +445,46 @@ def test_host_readouts_take_each_read_where_the_plan_put_it(tokenizer, joint):
         for j, values in enumerate(got.picked):
             assert values.dtype == np.float32
             assert np.array_equal(values, picked.get((qi, j), np.zeros(0)))
+
+
+# a Choice whose option texts all begin "a red", one of them nothing more: its blocks share
+# <|opt|> "a" " red", and that option's row is its <|/opt|> alone
+SHARED_LEAD = {
+    "lead": {
+        "type": "choice",
+        "instructions": "Which object is it?",
+        "options": [{"key": "plain", "text": "a red"}]
+        + [{"key": f"k{i}", "text": f"a red {w}"} for i, w in enumerate(
+            ["dog", "cat", "car", "box", "cup", "hat", "pen", "bag", "bed", "bus", "fan",
+             "jar", "key", "map", "mug", "net", "pot", "rug", "saw", "toy", "van", "wig",
+             "bat", "bow", "can", "fig", "gem", "hen", "ink", "jet", "kit", "lid", "log"]
+        )],
+    }
+}  # fmt: skip
+
+
+def test_shared_tokens_are_the_blocks_common_lead_leaving_each_its_close(tokenizer):
+    """`shared_tokens`: the leading tokens every option block has in common, at most all but
+    the shortest block's <|/opt|>; an alone question's rows are the blocks after them, and its
+    question part reads their text tokens (an option whose text is all shared reads all of
+    it there)."""
+    from runtime.constants import CLOSE_ID, OPEN_ID
+    from runtime.passes import shared_tokens
+
+    prepared, work = planned(tokenizer, SHARED_LEAD, fit=True, joint=True)
+    layout = prepared.layouts[0]
+    pairs = zip(layout.opens, layout.closes, strict=True)
+    blocks = [list(layout.token_ids[o : c + 1]) for o, c in pairs]
+    shared = shared_tokens(layout)
+    assert shared == len(blocks[0]) - 1 and blocks[0][-1] == CLOSE_ID  # <|opt|> "a" " red"
+    assert all(b[:shared] == blocks[0][:shared] and b[0] == OPEN_ID for b in blocks)
+    assert len({b[shared] for b in blocks}) > 1
+    (jp,) = work.joint
+    (op,) = [part for part in jp.parts if part.members]
+    rows = {pair: op.rows.input_ids[r, : op.rows.lengths[r]].tolist()
+            for r, pair in enumerate(op.members)}  # fmt: skip
+    assert rows[(0, 0)] == [CLOSE_ID]
+    assert all(rows[(0, k)] == b[shared:] for k, b in enumerate(blocks))
+    reads = jp.question.open_read
+    assert [jp.question.rows.targets[i][1] for i in reads[(0, 0)]] == blocks[0][1:shared]
+    assert all(len(reads[(0, k)]) == shared for k in range(1, len(blocks)))

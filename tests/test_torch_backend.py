@@ -67,6 +67,18 @@ def test_matches_float32_reference(executor, reference, questions):
         assert not result["flips"]
 
 
+def test_a_question_alone_with_a_shared_lead_matches_the_float32_reference(executor, reference):
+    """A question with more options than join others runs alone, its text through the leading
+    tokens its options share (one option's whole text among them): the reference's answer."""
+    from tests.test_passes import SHARED_LEAD
+
+    body = request_body(pattern_png(320, 224), SHARED_LEAD, "image/png")
+    result = compare(reference.answer(body), executor.answer(body))
+    assert result["input_tokens_equal"]
+    assert max(result["differences"]) <= PARITY, result
+    assert not result["flips"]
+
+
 def test_agrees_with_onnx_runtime_below_the_rounding(engines, executor):
     from reference.questions import build_request
     from runtime.contract import compile_request
@@ -176,15 +188,18 @@ def test_joint_passes_give_the_readouts_of_separate_passes(executor, parts, monk
     all of them, up to `parts` option passes in one): every readout is the separate passes'
     (float32 on the CPU, within its rounding)."""
     from runtime import passes
+    from tests.test_passes import SHARED_LEAD
 
     monkeypatch.setattr(passes, "JOINT_PARTS", parts)
-    questions = {**gate_questions(), **choice_with(70)}  # the wide one joins alone
+    # the wide ones join alone, their texts through their options' shared leading tokens
+    questions = {**gate_questions(), **choice_with(70), **SHARED_LEAD}
     request = json.loads(request_body(pattern_png(320, 224), questions, "image/png"))
     prepared = executor.prepare(request)
     assert executor.joint and prepared.planned[1].joint
     assert max(len(jp.parts) for jp in prepared.planned[1].joint) == parts
-    wide = len(questions) - 1
-    assert any(jp.question.members == [wide] for jp in prepared.planned[1].joint)
+    for wide in (len(questions) - 2, len(questions) - 1):
+        assert any(jp.question.members == [wide] for jp in prepared.planned[1].joint)
+        assert any(jp.question.open_read for jp in prepared.planned[1].joint)
     joint = executor.readouts(prepared)
     kept = executor.config
     try:
