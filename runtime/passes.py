@@ -349,18 +349,18 @@ def question_pass(
         layout = prepared.layouts[qi]
         if layout.question.type == "score":
             continue
-        for k, option_row in enumerate(layout.rows):
+        targets, ids_all = p.targets, layout.token_ids
+        marks = zip(layout.rows, layout.opens, layout.closes, strict=True)
+        for k, (option_row, o, c) in enumerate(marks):
             if option_row.first is not None:
-                qp.first_read[(qi, k)] = len(p.targets)
-                p.targets.append((zq_flat, option_row.first))
-            # text token j of the block (1 … its last before <|/opt|>) read at token j - 1
-            text = layout.closes[k] - layout.opens[k] - 1
-            reads = range(1, min(shared, text) + 1)
-            if reads:
-                qp.open_read[(qi, k)] = list(range(len(p.targets), len(p.targets) + len(reads)))
-                p.targets.extend(
-                    (zq_flat + j, layout.token_ids[layout.opens[k] + j]) for j in reads
-                )
+                qp.first_read[(qi, k)] = len(targets)
+                targets.append((zq_flat, option_row.first))
+            # text tokens 1 … count of the block, each read at the token before it
+            count = min(shared, c - o - 1)
+            if count > 0:
+                qp.open_read[(qi, k)] = list(range(len(targets), len(targets) + count))
+                rows = range(zq_flat + 1, zq_flat + 1 + count)
+                targets.extend(zip(rows, ids_all[o + 1 : o + 1 + count], strict=True))
     return qp
 
 
@@ -423,9 +423,10 @@ def fill_options(
     one array operation for the pass."""
     p = op.rows
     bases = np.zeros(len(chunk), dtype=np.int64)
+    shares = {qi: shared_tokens(layouts[qi]) if share else 0 for qi in {q for q, _, _ in chunk}}
     for row, (qi, k, source) in enumerate(chunk):
         layout = layouts[qi]
-        shared = shared_tokens(layout) if share else 0
+        shared = shares[qi]
         start, end = layout.opens[k] + shared, layout.closes[k] + 1
         ids = layout.token_ids[start:end]
         n = end - start
