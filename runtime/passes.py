@@ -308,11 +308,17 @@ def shared_tokens(layout: QuestionLayout) -> int:
 
 
 def plan_questions(
-    prepared: Prepared, spans: list, rows: int, fit: bool = False, only: set[int] | None = None
+    prepared: Prepared,
+    spans: list,
+    rows: int,
+    fit: bool = False,
+    only: set[int] | None = None,
+    read: bool = True,
 ) -> list[QuestionPass]:
     """Question texts (`spans`, each question's `question_span`) by length bucket, `rows` rows
     a pass (fewer for long buckets: rows_for) whatever the count asked; with `fit`, as many as
-    the pass holds (fitted_rows); with `only`, just those questions."""
+    the pass holds (fitted_rows); with `only`, just those questions; without `read`, no
+    readouts (joint plans make their question parts again, with them: `joint_pass`)."""
     groups: dict[int, list[int]] = {}
     for qi, (ids, _) in enumerate(spans):
         if only is None or qi in only:
@@ -323,7 +329,8 @@ def plan_questions(
         for chunk_start in range(0, len(members), size):
             chunk = members[chunk_start : chunk_start + size]
             rows_here = fitted_rows(len(chunk), size, fit)
-            passes.append(question_pass(prepared, spans, chunk, length, rows_here, set(chunk)))
+            reads = set(chunk) if read else set()
+            passes.append(question_pass(prepared, spans, chunk, length, rows_here, reads))
     return passes
 
 
@@ -581,7 +588,7 @@ def plan(
     work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
     parts = joint_parts(joint_tokens)
     if joining:
-        mine = plan_questions(prepared, spans, question_rows, fit, only=joining)
+        mine = plan_questions(prepared, spans, question_rows, fit, only=joining, read=False)
         theirs = plan_options(prepared, mine, fit)
         work.joint = plan_joint(
             prepared, spans, mine, theirs, question_rows, fit, joint_tokens, parts
@@ -598,7 +605,7 @@ def plan_alone(
     ALONE_FAMILY passes (fitted), `parts` option passes a joint pass (dummy parts filling the
     last), holding nothing of any other question: the shapes are a function of that question
     alone, whatever their token slots."""
-    mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi})
+    mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi}, read=False)
     theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY, share=True)
     every_slot = sum(int(np.prod(op.rows.shape)) for op in theirs) + QUESTION_TOKENS  # no bound
     return plan_joint(prepared, spans, mine, theirs, question_rows, True, every_slot, parts)
