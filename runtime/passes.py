@@ -366,8 +366,8 @@ def question_pass(
             count = min(shared, c - o - 1)
             if count > 0:
                 qp.open_read[(qi, k)] = list(range(len(targets), len(targets) + count))
-                rows = range(zq_flat + 1, zq_flat + 1 + count)
-                targets.extend(zip(rows, ids_all[o + 1 : o + 1 + count], strict=True))
+                at = range(zq_flat + 1, zq_flat + 1 + count)
+                targets.extend(zip(at, ids_all[o + 1 : o + 1 + count], strict=True))
     return qp
 
 
