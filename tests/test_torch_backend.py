@@ -69,10 +69,16 @@ def test_matches_float32_reference(executor, reference, questions):
 
 def test_a_question_alone_with_a_shared_lead_matches_the_float32_reference(executor, reference):
     """A question with more options than join others runs alone, its text through the leading
-    tokens its options share (one option's whole text among them): the reference's answer."""
+    tokens its options share (one option's whole text among them; a Score's levels too, which
+    read no text): the reference's answer."""
     from tests.test_passes import SHARED_LEAD
 
-    body = request_body(pattern_png(320, 224), SHARED_LEAD, "image/png")
+    levels = {
+        "type": "score",
+        "instructions": "How red?",
+        "levels": [f"red {i}" for i in range(40)],
+    }
+    body = request_body(pattern_png(320, 224), {**SHARED_LEAD, "reds": levels}, "image/png")
     result = compare(reference.answer(body), executor.answer(body))
     assert result["input_tokens_equal"]
     assert max(result["differences"]) <= PARITY, result
