@@ -383,14 +383,14 @@ def plan_options(
     pass (fewer for long buckets: rows_for; with `fit`, as many as the pass holds), each row
     continuing its question's row; with `share` (texts through their options' shared leading
     tokens), each row the option's block after them."""
-    passes = []
+    passes, shares = [], {}
     for pi, qp in enumerate(question_passes):
         groups: dict[tuple[tuple[int, int], int], list[tuple[int, int, int]]] = {}
         for source, qi in enumerate(qp.members):
             layout = prepared.layouts[qi]
             family = option_family(len(layout.opens), families)
-            shared = shared_tokens(layout) if share else 0
-            for k, length in enumerate(option_buckets(layout, shared)):
+            shares[qi] = shared_tokens(layout) if share else 0
+            for k, length in enumerate(option_buckets(layout, shares[qi])):
                 groups.setdefault((family, length), []).append((qi, k, source))
         for ((family_rows, family_tokens), length), rows in sorted(groups.items()):
             size = rows_for(length, family_rows, family_tokens)
@@ -398,7 +398,7 @@ def plan_options(
                 chunk = rows[chunk_start : chunk_start + size]
                 p = empty_pass(fitted_rows(len(chunk), size, fit), length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
-                fill_options(op, prepared.layouts, chunk, length, share)
+                fill_options(op, prepared.layouts, chunk, length, shares)
                 passes.append(op)
     return passes
 
@@ -420,20 +420,19 @@ def fill_options(
     layouts: tuple[QuestionLayout, ...],
     chunk: list,
     length: int,
-    share: bool = False,
+    shares: dict[int, int] | None = None,
 ) -> None:
     """`fill_row` of each option of `chunk` ((question, option, source row) per row) with its
-    `option_span` (`share`: after its question's `shared_tokens`), then its reads: the u row
-    and, but for Score, each text token from the one before (with `share`, those read in the
-    question part are its `open_read`). An option's tokens are text, so its three M-RoPE
+    `option_span` (after its question's `shares` leading tokens, none where it has none), then
+    its reads: the u row and, but for Score, each text token from the one before (those read
+    in the question part are its `open_read`). An option's tokens are text, so its three M-RoPE
     positions are equal and count on from the question's first option through the padding:
     one array operation for the pass."""
     p = op.rows
     bases = np.zeros(len(chunk), dtype=np.int64)
-    shares = {qi: shared_tokens(layouts[qi]) if share else 0 for qi in {q for q, _, _ in chunk}}
     for row, (qi, k, source) in enumerate(chunk):
         layout = layouts[qi]
-        shared = shares[qi]
+        shared = shares.get(qi, 0) if shares else 0
         start, end = layout.opens[k] + shared, layout.closes[k] + 1
         ids = layout.token_ids[start:end]
         n = end - start

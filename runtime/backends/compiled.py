@@ -27,6 +27,7 @@ from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
 from runtime.constants import DTYPES, IMAGE_GRAPH, JOINT_GRAPH, JOINT_PREFIXES
 from runtime.images import NORMALIZED, device_pixel_values, resize_rgb_torch, smart_resize
+from runtime.model.attention_kernels import CHUNK_MAX_ROWS
 from runtime.model.language import (
     BLOCKS,
     JOINT_BLOCKS,
@@ -46,11 +47,10 @@ log = logging.getLogger("omnijev.torch")
 # never depends on how many other rows the pass reads (invariance); 128 rows × the 248,079-row
 # table is where the product stops being bound by reading the table (1.27 GB in BF16)
 READOUT_PIECE = 128
-# A pass with more option rows than WIDE_PASS_ROWS holds one question alone (runtime.passes:
-# the joining family has at most 32 options, apart passes 64 rows, ALONE_ROWS 256), so its
-# piece may follow its own size: 256 rows, where the product is no longer bound by reading the
-# table (0.33 ms a 128-row piece on the H200, the table's read alone 0.32; h200-2026-12-04c)
-WIDE_PASS_ROWS = 64
+# A pass with more option rows than the passes questions share hold (CHUNK_MAX_ROWS, which the
+# attention's chunks follow for the same reason) holds one question alone, so its piece may
+# follow its own size: 256 rows, where the product is no longer bound by reading the table
+# (0.33 ms a 128-row piece on the H200, the table's read alone 0.32; h200-2026-12-04c)
 WIDE_READOUT_PIECE = 256
 # embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
 # to an sm75 kernel on the H200 (engines.md §15); the padded rows are never read
@@ -351,6 +351,13 @@ class TorchBackend:
             for lane in range(1, self.lanes)
         ]
         self._dtypes = {graph: self.graph_dtypes(graph) for graph in self.slots}
+        # what `checked` lets through: the graphs' inputs, and for the passes the plan's
+        # `target_slots` (each part's), which the readout reads and no graph takes
+        slots = dict.fromkeys((p + "target_slots" for p in ("", *JOINT_PREFIXES)), torch.int64)
+        self._fed = {
+            graph: {**dtypes, **slots} if graph in LM_GRAPHS else dtypes
+            for graph, dtypes in self._dtypes.items()
+        }
         self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)  # the patches' lookup
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
 
@@ -546,7 +553,7 @@ class TorchBackend:
             slots.append(slot + at)
             tokens.append(feeds[prefix + "target_tokens"])
             at += mine.shape[0]
-        wide = any(feeds[p + "input_ids"].shape[0] > WIDE_PASS_ROWS for p, _ in parts[1:])
+        wide = any(feeds[p + "input_ids"].shape[0] > CHUNK_MAX_ROWS for p, _ in parts[1:])
         piece = WIDE_READOUT_PIECE if wide else READOUT_PIECE
         logprobs = self.readout(flat, torch.cat(rows), torch.cat(tokens), torch.cat(slots), piece)
         at = 0
@@ -585,11 +592,7 @@ class TorchBackend:
 
     def checked(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The graph's feeds, and the plan's `target_slots` (not a graph input: the readout's)."""
-        expected = self._dtypes[graph]
-        if graph in LM_GRAPHS:
-            slots = [n for n in feeds if unprefixed(n) == "target_slots"]
-            expected = {**expected, **dict.fromkeys(slots, torch.int64)}
-        return checked_feeds(graph, feeds, expected, self.device)
+        return checked_feeds(graph, feeds, self._fed[graph], self.device)
 
     def bind(
         self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict, lane: int = 0
