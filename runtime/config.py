@@ -38,6 +38,9 @@ class RuntimeConfig:
     # while the later passes execute; None: on CUDA
     joint_lanes: bool | None = None  # joint passes of different option lengths run at once on
     # two CUDA streams (TorchBackend.lane_stream); None: on CUDA with graphs
+    early_prefix: bool = False  # the vision tower and image prefix enqueued as soon as the
+    # image is decoded, while the text is prepared (Executor.start_prefix); off by default: on
+    # the H200 it gave the same whole-request times as after the text (h200-2026-12-04d)
     share_weights: bool = True  # ONNX Runtime sessions share one copy of the weights
     ort_threads: int = 0  # ONNX Runtime intra-op threads; 0: its default (one on CUDA)
     plugin_library: str | None = None  # the TensorRT readout plugin; None: plugins/build/
@@ -121,6 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("joint-passes", "option rows in one pass with their questions (default: where kept)"),
         ("early-heads", "heads of finished questions beside later passes (default: on CUDA)"),
         ("joint-lanes", "joint passes at once on two CUDA streams (default: on CUDA)"),
+        ("early-prefix", "image prefix enqueued while the text is prepared (default: off)"),
         ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
     ):
         group.add_argument(

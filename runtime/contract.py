@@ -111,16 +111,10 @@ OTHER_GRAPHEME_EXTEND = (
 )
 
 
-def compile_request(obj: dict) -> Request:
-    """Checks a parsed request body (§2.2) and returns its image and compiled questions."""
-    if any(key not in TOP_LEVEL_FIELDS for key in obj):
-        raise ContractError("request fields must be model, state and questions")
-    model = obj.get("model")
-    if model is not None and not (isinstance(model, str) and model in MODELS):
-        raise ContractError("requested model is not loaded")
-    if "state" not in obj:
-        raise ContractError("request requires state")
-    mime, data, opened = image_of_state(obj["state"])
+def compile_request(obj: dict, image: tuple | None = None) -> Request:
+    """Checks a parsed request body (§2.2) and returns its image and compiled questions;
+    `image` is `compile_image(obj)` where the caller has it already."""
+    mime, data, opened = compile_image(obj) if image is None else image
     questions = obj.get("questions")
     if not isinstance(questions, dict):
         raise ContractError("questions must be an object")
@@ -137,6 +131,19 @@ def compile_request(obj: dict) -> Request:
     if sum(len(question.keys) for question in compiled) > MAX_ROWS:
         raise ContractError(f"request exceeds {MAX_ROWS} options in all")
     return Request(image_mime=mime, image_bytes=data, questions=tuple(compiled), opened=opened)
+
+
+def compile_image(obj: dict) -> tuple[str, bytes, images.OpenedImage]:
+    """The checks of a parsed request body up to its image, in `compile_request`'s order, and
+    the image as `image_of_state` gives it: the decode can start before the questions' checks."""
+    if any(key not in TOP_LEVEL_FIELDS for key in obj):
+        raise ContractError("request fields must be model, state and questions")
+    model = obj.get("model")
+    if model is not None and not (isinstance(model, str) and model in MODELS):
+        raise ContractError("requested model is not loaded")
+    if "state" not in obj:
+        raise ContractError("request requires state")
+    return image_of_state(obj["state"])
 
 
 def image_of_state(state: object) -> tuple[str, bytes, images.OpenedImage]:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,8 +42,9 @@ from runtime.passes import (
     early_heads_fit,
     finished_by_joint,
     plan,
+    plan_prefix,
 )
-from runtime.types import Prepared, PreparedImage, QuestionReadout
+from runtime.types import Prepared, PreparedImage, Question, QuestionReadout, grid_tokens
 
 # An image prefix kept across requests (RuntimeConfig.prefix_cache entries) is ~50 MiB of Gated
 # DeltaNet state plus 32 KiB of K/V per prefix token on the 4b (model.md §11).
@@ -50,6 +52,13 @@ WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (contract.md §1.2)
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
 # device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
 VISION_TABLES = 8
+# image prefixes' passes by patch grid (`Executor.prefix_rows`): the template's tokens through
+# <|vision_end|> and their positions follow from the grid alone
+PREFIX_ROWS = 8
+# the question `prefix_rows` lays out for a grid's prefix (any question shares its prefix)
+PREFIX_PROBE = Question(
+    id="prefix", type="choice", instructions="", keys=("a",), option_texts=("a",)
+)
 GPU_STAGES = ("vision", "prefix", "questions", "options", "readouts")  # Executor.stages' laps
 
 log = logging.getLogger("omnijev.executor")
@@ -99,6 +108,32 @@ class State:
     mask: torch.Tensor
     conv: list[torch.Tensor]
     rec: list[torch.Tensor]
+
+
+@dataclass
+class StartedPrefix:
+    """A request's vision tower and image prefix, enqueued as soon as its image was decoded
+    (`Executor.start_prefix`): the prefix's pass and the states it gives, taken once."""
+
+    image: PreparedImage
+    rows: Pass
+    states: tuple[State, State]
+    taken: bool = False
+
+    def take(self, image: PreparedImage, rows: Pass) -> tuple[State, State] | None:
+        """The states, if they are the prefix of this image and these rows and not yet taken
+        (a second execution of the same prepared request runs its prefix again)."""
+        if self.taken or self.image is not image or not same_rows(self.rows, rows):
+            return None
+        self.taken = True
+        return self.states
+
+
+def same_rows(a: Pass, b: Pass) -> bool:
+    """Whether two passes have the same tokens, positions, lengths and sources."""
+    pairs = ((a.input_ids, b.input_ids), (a.positions, b.positions))
+    pairs += ((a.lengths, b.lengths), (a.src, b.src))
+    return all(np.array_equal(x, y) for x, y in pairs)
 
 
 def layer_index(name: str) -> int:
@@ -172,6 +207,10 @@ class Executor:
         # a hit reuses the very tensors the same inputs gave: bit-identical answers either way
         self.prefix_cache: LRU[str, tuple[State, State]] = LRU(self.config.prefix_cache)
         self._vision_tables: LRU[tuple, dict[str, torch.Tensor]] = LRU(VISION_TABLES)
+        self._prefix_rows: LRU[tuple, Pass] = LRU(PREFIX_ROWS)
+        # one thread at a time enqueues on the backend (its graphs' buffers, the LRUs above):
+        # an image thread's early prefix (`start_prefix`) and the executing thread's passes
+        self.enqueue_lock = threading.Lock()
         self._empty: State | None = None  # empty_state, made on first use
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
         self.stage_sync = None  # a callable that waits for the device: per-stage device time
@@ -179,8 +218,8 @@ class Executor:
     # -- request side -------------------------------------------------------------------
 
     def prepare(self, obj: dict) -> Prepared:
-        from runtime.contract import compile_request
-        from runtime.processing import prepare
+        from runtime.contract import compile_image, compile_request
+        from runtime.processing import prepare, start_image_of
 
         # on a GPU the decoded uint8 image travels (4.3 MB for the bench still, not 14 MB of
         # float32 patches) and the resize and the patches are made there, byte for byte the
@@ -188,11 +227,64 @@ class Executor:
         host = self.device.type == "cpu"
         # the plan is made while the image decodes: it needs the rows, not the pixels; a PNG
         # decodes straight into pinned memory, which the upload then reads as it is
-        request = compile_request(obj)
+        # the image decodes from the moment it has passed the contract, the questions' checks
+        # beside it (2.7 ms for 255 options on the H200's host); a refusal stops the early prefix
+        image = compile_image(obj)
         allocate = None if host else pinned_uint8
-        return prepare(
-            request, self.tokenizer, pack=host, resize=host, planner=self.plan_of, allocate=allocate
-        )
+        refused = threading.Event()
+        on_image = partial(self.start_prefix, refused=refused) if self.config.early_prefix else None
+        pending = start_image_of(image, host, host, allocate, on_image)
+        try:
+            request = compile_request(obj, image)
+            return prepare(
+                request,
+                self.tokenizer,
+                pack=host,
+                resize=host,
+                planner=self.plan_of,
+                allocate=allocate,
+                on_image=on_image,
+                pending=pending,
+            )
+        except BaseException:
+            refused.set()
+            raise
+        finally:
+            # a raised error's traceback holds this frame, and the future holds a refused
+            # image's error: the cycle would keep the request's bytes until a collection
+            del pending
+
+    def start_prefix(
+        self, image: PreparedImage, refused: threading.Event | None = None
+    ) -> StartedPrefix | None:
+        """The vision tower and the image prefix of a just-decoded image, enqueued from the
+        image thread while the request's text is still tokenised and planned; `readouts` takes
+        them where the plan's prefix is this one. None where they could not start or the
+        request was refused meanwhile: its execution then runs them itself (and meets whatever
+        stopped them)."""
+        if refused is not None and refused.is_set():
+            return None
+        try:
+            rows = self.prefix_rows(tuple(int(x) for x in image.grid_thw))
+            with self.enqueue_lock, torch.inference_mode():
+                states = self.image_prefix(image, rows)
+        except Exception as error:  # noqa: BLE001 - the execution path raises it in order
+            log.warning("the image prefix did not start early: %s", error)
+            return None
+        return StartedPrefix(image, rows, states)
+
+    def prefix_rows(self, grid: tuple[int, ...]) -> Pass:
+        """The image prefix's pass for a patch grid (`runtime.passes.plan_prefix` of a probe
+        question): every request with this grid has it, whatever its questions."""
+        from runtime.processing import lay_out, with_positions
+
+        def make() -> Pass:
+            drafts, length, processed = lay_out([PREFIX_PROBE], self.tokenizer, grid_tokens(grid))
+            layouts = tuple(with_positions(drafts, grid))
+            probe = Prepared(None, layouts, prefix_length=length, input_tokens=processed)
+            return plan_prefix(probe)[0]
+
+        return self._prefix_rows.get_or_make(grid, make)
 
     def plan_of(self, prepared: Prepared) -> tuple:
         """(pass shape, plan) of a request, as `readouts` takes them from `Prepared.planned`."""
@@ -270,20 +362,17 @@ class Executor:
         if work is None or work.joined != self.joint:
             work = self.plan_of(prepared)[1]
         clock = Stopwatch(self.stages, self.stage_sync)
-        with torch.inference_mode():
-            key = prefix_key(prepared, work) if self.prefix_cache.size > 0 else None
-            cached = self.prefix_cache.get(key) if key is not None else None
-            if cached is None:
-                features = self.vision(prepared)
-                clock.lap("vision")
-                prefix, prefix_state = self.run_prefix(work, features)
-                clock.lap("prefix")
-                if key is not None:
-                    self.prefix_cache.put(key, (prefix, prefix_state))
+        with self.enqueue_lock, torch.inference_mode():
+            started = prepared.started
+            states = None
+            if isinstance(started, StartedPrefix):
+                states = started.take(prepared.image, work.prefix)
+            if states is None:
+                states = self.image_prefix(prepared.image, work.prefix, clock)
             else:
-                prefix, prefix_state = cached
                 clock.lap("vision")
                 clock.lap("prefix")
+            prefix, prefix_state = states
             asked: list[tuple[QuestionPass, dict]] = []
             answered: list[tuple[OptionPass, dict]] = []
             taken = HostReadouts()
@@ -312,8 +401,10 @@ class Executor:
                 clock.lap("options")
             # every readout copied behind the passes into pinned memory, then one wait
             event, copies = self.copy_back([out for _, out in (*asked, *answered)])
-            if event is not None:
-                event.synchronize()
+        # waited for without the lock: the next request's image prefix enqueues meanwhile
+        if event is not None:
+            event.synchronize()
+        with torch.inference_mode():
             arrays = [(hidden.numpy(), logprobs.numpy()) for hidden, logprobs in copies]
             for (qp, _), (hidden, logprobs) in zip(asked, arrays[: len(asked)], strict=True):
                 taken.take_question(qp, hidden, logprobs)
@@ -398,8 +489,27 @@ class Executor:
         with safe_open(str(self.export.dir / "vision.safetensors"), framework="pt") as f:
             return f.get_tensor("model.visual.pos_embed.weight").float().numpy()
 
-    def vision(self, prepared: Prepared) -> torch.Tensor:
-        image = prepared.image
+    def image_prefix(
+        self, image: PreparedImage, rows: Pass, clock: Stopwatch | None = None
+    ) -> tuple[State, State]:
+        """(prefix, after prefix) states of an image and its prefix's pass: from the prefix
+        cache, else the vision tower and the prefix pass enqueued (laps "vision", "prefix")."""
+        key = prefix_key(image, rows) if self.prefix_cache.size > 0 else None
+        laps = clock.lap if clock is not None else lambda stage: None
+        cached = self.prefix_cache.get(key) if key is not None else None
+        if cached is not None:
+            laps("vision")
+            laps("prefix")
+            return cached
+        features = self.vision(image)
+        laps("vision")
+        states = self.run_prefix(rows, features)
+        laps("prefix")
+        if key is not None:
+            self.prefix_cache.put(key, states)
+        return states
+
+    def vision(self, image: PreparedImage) -> torch.Tensor:
         feeds = dict(self.vision_tables(tuple(int(x) for x in image.grid_thw)))
         rows = image.image_tokens
         # zero rows up to the prefix's bucket: the pass takes image rows in order, so the extra
@@ -653,11 +763,12 @@ class Executor:
             rec=[out[f"out_rec.{j}"] for j in range(d.delta_layers)],
         )
 
-    def run_prefix(self, work: Plan, features: torch.Tensor) -> tuple[State, State]:
-        """The image prefix: its K/V become every later row's shared past."""
+    def run_prefix(self, rows: Pass, features: torch.Tensor) -> tuple[State, State]:
+        """The image prefix (the plan's `prefix` pass): its K/V become every later row's shared
+        past."""
         empty = self.empty_state()
-        out = self.run_pass(work.prefix, features, empty, empty, with_state=True)
-        state = self.state_from(out, work.prefix)
+        out = self.run_pass(rows, features, empty, empty, with_state=True)
+        state = self.state_from(out, rows)
         prefix = State(k=state.k, v=state.v, mask=state.mask, conv=[], rec=[])
         after = State(k=empty.k, v=empty.v, mask=empty.mask, conv=state.conv, rec=state.rec)
         return prefix, after
@@ -702,13 +813,12 @@ class Executor:
         return torch.zeros(1, self.dims.hidden, dtype=dtype, device=self.device)
 
 
-def prefix_key(prepared: Prepared, work: Plan) -> str:
-    """Everything the image prefix depends on: its tokens and positions, and the resized uint8
-    image, which fixes the pixel values (0.9 ms to hash against 2.1 for the decoded RGB)."""
+def prefix_key(image: PreparedImage, rows: Pass) -> str:
+    """Everything the image prefix depends on: its pass's tokens and positions, and the resized
+    uint8 image, which fixes the pixel values (0.9 ms to hash against 2.1 for the decoded RGB)."""
     digest = hashlib.sha256()
-    digest.update(work.prefix.input_ids.tobytes())
-    digest.update(work.prefix.positions.tobytes())
-    image = prepared.image
+    digest.update(rows.input_ids.tobytes())
+    digest.update(rows.positions.tobytes())
     if image.digest is not None:  # the encoded image's, made while preparing
         digest.update(image.digest)
     else:

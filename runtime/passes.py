@@ -611,9 +611,13 @@ def plan_alone(
 
 
 def early_heads_fit(work: Plan) -> bool:
-    """Whether a plan's heads can start before its last pass: two or more joint passes and no
-    other pass (which would wait to be enqueued until those heads were done)."""
-    return len(work.joint) > 1 and not work.questions
+    """Whether a plan's heads can start before its last pass: two or more joint passes, no
+    other pass (which would wait to be enqueued until those heads were done), and a question
+    that a pass before the last finishes (one question alone in several passes, as 255
+    options, finishes only with the last: waiting for the others would only cost time)."""
+    if len(work.joint) < 2 or work.questions:
+        return False
+    return any(finished_by_joint(work))
 
 
 def finished_by_joint(work: Plan) -> list[list[int]]:

@@ -387,8 +387,11 @@ def prepare(
     resize: bool = True,
     planner: Callable[[Prepared], object] | None = None,
     allocate: Allocate | None = None,
+    on_image: Callable[[PreparedImage], object] | None = None,
+    pending: Future | None = None,
 ) -> Prepared:
-    """Decodes the image (unless given), tokenizes every question and lays out its rows.
+    """Decodes the image (unless given, or `pending` from `start_image_of` already), tokenizes
+    every question and lays out its rows.
 
     With the contract's open image, the decode runs on an image thread while this one tokenizes
     and lays out the rows, positions included (the image run's length and the patch grid follow
@@ -396,17 +399,23 @@ def prepare(
     from the request without its image, on this thread, while the decode runs. `pack` False
     leaves the patches to the device, and `resize` False the resize as well
     (`runtime.images.prepare_image`); `allocate` gives the decoded image's array where the
-    decode can write into one (`runtime.images.decode_rgb`).
+    decode can write into one (`runtime.images.decode_rgb`). `on_image` is called with the
+    prepared image as soon as it is made, on the image thread, and what it returns becomes
+    `Prepared.started` (the executor enqueues the image's passes there, beside the text).
     """
     started = time.perf_counter()
-    pending = None
-    if image is None:
-        pending = start_image(request, pack, resize, allocate)
+    begun = None
+    if image is None and pending is None:
+        pending = start_image(request, pack, resize, allocate, on_image)
         if pending is None:
-            from runtime.images import prepare_image
-
-            image = prepare_image(
-                request.image_bytes, request.image_mime, request.opened, pack, resize, allocate
+            image, begun = image_then(
+                on_image,
+                request.image_bytes,
+                request.image_mime,
+                request.opened,
+                pack,
+                resize,
+                allocate,
             )
     draft, planned, failure = None, None, None
     try:
@@ -426,7 +435,7 @@ def prepare(
                 failure = error
     try:
         if pending is not None:
-            image = pending.result()  # an image refusal is raised here, before the text's
+            image, begun = pending.result()  # an image refusal is raised here, before the text's
         if refusal is not None:
             raise refusal
         if failure is not None:
@@ -437,9 +446,18 @@ def prepare(
         del pending, refusal, failure
     if image.grid_thw != grid:  # the header's size gave another grid than the decoded image's
         raise ContractError(PLACEHOLDER_ERROR)
-    return replace(
-        draft, image=image, planned=planned, prepare_seconds=time.perf_counter() - started
-    )
+    seconds = time.perf_counter() - started
+    return replace(draft, image=image, planned=planned, started=begun, prepare_seconds=seconds)
+
+
+def image_then(
+    on_image: Callable[[PreparedImage], object] | None, *args
+) -> tuple[PreparedImage, object]:
+    """(`prepare_image(*args)`, what `on_image` returns for it, or None without one)."""
+    from runtime.images import prepare_image
+
+    image = prepare_image(*args)
+    return image, (on_image(image) if on_image is not None else None)
 
 
 def start_image(
@@ -447,21 +465,27 @@ def start_image(
     pack: bool = True,
     resize: bool = True,
     allocate: Allocate | None = None,
+    on_image: Callable[[PreparedImage], object] | None = None,
 ) -> Future | None:
-    """`prepare_image` on an image thread, for a request with the contract's open image."""
-    if request.opened is None:
-        return None
-    from runtime.images import prepare_image
+    """`image_then` on an image thread, for a request with the contract's open image."""
+    image = (request.image_mime, request.image_bytes, request.opened)
+    return start_image_of(image, pack, resize, allocate, on_image)
 
-    return process_pool("image", IMAGE_THREADS).submit(
-        prepare_image,
-        request.image_bytes,
-        request.image_mime,
-        request.opened,
-        pack,
-        resize,
-        allocate,
-    )
+
+def start_image_of(
+    image: tuple,
+    pack: bool = True,
+    resize: bool = True,
+    allocate: Allocate | None = None,
+    on_image: Callable[[PreparedImage], object] | None = None,
+) -> Future | None:
+    """`start_image` of `runtime.contract.compile_image`'s (MIME type, bytes, open image),
+    before the questions are compiled; None without the open image."""
+    mime, data, opened = image
+    if opened is None:
+        return None
+    pool = process_pool("image", IMAGE_THREADS)
+    return pool.submit(image_then, on_image, data, mime, opened, pack, resize, allocate)
 
 
 def header_grid(request: Request) -> tuple[int, int, int]:

@@ -40,6 +40,7 @@ recurrent kernel, not the block kernel (runtime.model.gdn_kernels.OPTION_BLOCKS)
 the caches a previous call left (without them first where there are none);
 `--host` adds `serve`'s host profiles to `final`; `--no-fixed` skips the fixed-row GPU stages,
 `--no-separate` the GPU stages with question and option passes apart (joint passes off),
+`--whole-profile` adds a cProfile of whole requests (12 questions, 255 options),
 `--quick` the host waits, vision enqueue, heads and kernel-profile steps,
 `--no-crossover` the crossover of fla's kernels and our rows kernel (`final` only, after the
 engine's timings), `--no-kernels` the option-row tiles, `--no-recurrent` the GPU stages
@@ -642,8 +643,8 @@ def image_graph_probe() -> dict:
     host = prepare(compile_request(body), executor.tokenizer)
     found = {"backend": backend.name, "graph": executor.vision_graph(whole.image)}
     with torch.inference_mode():
-        image = [executor.vision(whole) for _ in range(3)]  # eager, capture, replay
-        pixels = [executor.vision(host) for _ in range(3)]
+        image = [executor.vision(whole.image) for _ in range(3)]  # eager, capture, replay
+        pixels = [executor.vision(host.image) for _ in range(3)]
         found["image_repeatable"] = all(torch.equal(f, image[0]) for f in image)
         found["same_as_vision"] = all(torch.equal(f, pixels[0]) for f in image + pixels)
         a, b = executor.readouts(whole), executor.readouts(host)
@@ -654,12 +655,12 @@ def image_graph_probe() -> dict:
 
         def timed(graph: str) -> dict:
             executor.vision_graph = lambda image: graph
-            executor.vision(whole)
+            executor.vision(whole.image)
             torch.cuda.synchronize()
             times = []
             for _ in range(20):
                 started = time.perf_counter()
-                executor.vision(whole)
+                executor.vision(whole.image)
                 torch.cuda.synchronize()
                 times.append(round((time.perf_counter() - started) * 1e3, 3))
             return {"median_ms": round(statistics.median(times), 3), "runs_ms": times}
@@ -955,6 +956,8 @@ def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
         stages = {k: round(1e3 * v, 2) for k, v in executor.stages.items()}
         with settings(executor, early_heads=False):  # every question's heads after the passes
             late = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
+        with settings(executor, early_prefix=False):  # vision and prefix after the text too
+            after = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
         rows.append(
             {
                 "workload": name,
@@ -963,6 +966,7 @@ def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
                 "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
                 "stages_ms": stages,
                 "early_heads_off_median_ms": 1e3 * statistics.median(late),
+                "early_prefix_off_median_ms": 1e3 * statistics.median(after),
             }
         )
         log(f"request {rows[-1]}")
@@ -1040,7 +1044,7 @@ def vision_laps(executor, prepared, laps: dict) -> None:
     marks.append(("patches", time.perf_counter()))
     sync()
     marks.append(("(wait)", time.perf_counter()))
-    executor.vision(prepared)
+    executor.vision(prepared.image)
     marks.append(("Executor.vision whole", time.perf_counter()))
     sync()
     for (_, before), (step, after) in zip(marks, marks[1:], strict=False):
@@ -1097,6 +1101,32 @@ def heads_profile(executor, workloads: dict, name: str = "12 questions", runs: i
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     log(f"heads profile, {name}, {runs} runs:\n{text.getvalue()}")
     return text.getvalue()
+
+
+def whole_profile(executor, workloads: dict, runs: int = 20) -> dict:
+    """cProfile of whole requests (Executor.answer, request JSON to response) of the 12-question
+    and 255-option workloads: the 30 functions of most cumulative and of most own time, where
+    the host's part of a request goes (waits for the device included)."""
+    import cProfile
+    import io
+    import pstats
+
+    result = {}
+    for name in ("12 questions", "255 options"):
+        body, _ = workloads[name]
+        executor.answer(body)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(runs):
+            executor.answer(body)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(30)
+        result[name] = text.getvalue()
+        log(f"whole-request profile, {name}, {runs} runs:\n{text.getvalue()}")
+    return result
 
 
 def heads_sites(executor, workloads: dict, runs: int = 10) -> dict:
@@ -1471,6 +1501,10 @@ def latency_table(rows: list[dict], reference: list[dict] | None = None) -> str:
     if late:  # whole requests: the same with every question's heads after the last pass
         off = ", ".join(f"{r['workload']} {r['early_heads_off_median_ms']:.1f}" for r in late)
         lines.append(f"\nearly heads off, median ms: {off}")
+    after = [r for r in rows if "early_prefix_off_median_ms" in r]
+    if after:  # and with the vision and prefix enqueued after the text is prepared
+        off = ", ".join(f"{r['workload']} {r['early_prefix_off_median_ms']:.1f}" for r in after)
+        lines.append(f"\nearly prefix off, median ms: {off}")
     return "\n".join(lines)
 
 
@@ -1561,6 +1595,8 @@ def session(final: bool) -> None:
         attempt(report, "vision_enqueue", vision_enqueue, executor, workloads)
         attempt(report, "heads_profile", heads_profile, executor, workloads)
     attempt(report, "heads_sites", heads_sites, executor, workloads)  # the heads' CUDA graphs
+    if "--whole-profile" in sys.argv:
+        attempt(report, "whole_profile", whole_profile, executor, workloads)
     if final:
         attempt(report, "requests", whole_requests, executor, workloads)
     attempt(report, "peak_memory", peak_memory, executor, workloads)

@@ -169,7 +169,7 @@ def test_prefix_keys_of_images_the_device_resizes(executor):
     def key(image: bytes, resize: bool) -> str:
         obj = parse_body(request_body(image, speed_bench_questions(1)))
         prepared = prepare(compile_request(obj), executor.tokenizer, pack=False, resize=resize)
-        return prefix_key(prepared, plan(prepared))
+        return prefix_key(prepared.image, plan(prepared).prefix)
 
     first, other = pattern_png(96, 64), pattern_png(64, 48)
     assert key(first, False) == key(first, False)

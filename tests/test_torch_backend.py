@@ -154,6 +154,72 @@ def test_early_heads_give_the_answers_of_heads_after_every_pass(executor):
     assert json.dumps(on) == json.dumps(off)
 
 
+def test_early_prefix_gives_the_answers_of_the_prefix_run_in_turn(executor, monkeypatch):
+    """The vision tower and image prefix started from the image thread while the text is
+    prepared (`early_prefix`, `Executor.start_prefix`): the pass is the plan's own prefix for
+    any questions of that grid, it is taken once (a second execution runs its prefix again),
+    and the answers keep their bytes; the prefix cache still answers where it holds the image."""
+    from runtime.executor import StartedPrefix
+
+    questions = {**speed_bench_questions(3), **gate_questions()}
+    body = request_body(pattern_png(320, 224), questions, "image/png")
+    monkeypatch.setattr(executor, "config", executor.config.with_(early_prefix=False))
+    executor.prefix_cache.entries.clear()
+    monkeypatch.setattr(executor.prefix_cache, "size", 0)
+    off = without_latency(executor.answer(body))
+    assert executor.prepare(json.loads(body)).started is None
+    monkeypatch.setattr(executor, "config", executor.config.with_(early_prefix=True))
+    prepared = executor.prepare(json.loads(body))
+    started = prepared.started
+    assert isinstance(started, StartedPrefix) and not started.taken
+    work = prepared.planned[1]
+    assert started.take(prepared.image, work.prefix) is not None and started.taken
+    started.taken = False
+    first = executor.readouts(prepared)
+    assert started.taken
+    again = executor.readouts(prepared)  # the prefix run in turn this time
+    for a, b in zip(first, again, strict=True):
+        assert np.array_equal(a.zq, b.zq) and np.array_equal(a.u, b.u)
+    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(off)
+    # another image of the same grid: the same prefix rows, taken by that image only
+    other_png = encode(photo_image(320, 224, 1), "PNG")
+    other = executor.prepare(json.loads(request_body(other_png, questions, "image/png")))
+    assert other.started.take(prepared.image, work.prefix) is None
+    # with the prefix cache on, a repeated image's early prefix is the cached states
+    monkeypatch.setattr(executor.prefix_cache, "size", 2)
+    executor.answer(body)
+    hits = executor.prefix_cache.hits
+    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(off)
+    assert executor.prefix_cache.hits == hits + 1
+
+
+def test_early_prefix_under_concurrent_requests_keeps_every_answer(executor, monkeypatch):
+    """The worker over HTTP with `early_prefix`: requests prepared two at a time start their
+    image prefixes from the image threads while another request's passes are enqueued and its
+    heads run (`Executor.enqueue_lock`); every answer keeps the bytes it has alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.server_helpers import ThreadServer, wait_ready
+    from tests.test_server import post
+
+    monkeypatch.setattr(executor, "config", executor.config.with_(early_prefix=True))
+    monkeypatch.setattr(executor.prefix_cache, "size", 0)
+    bodies = [
+        request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png"),
+        request_body(encode(photo_image(320, 224, 2), "PNG"), gate_questions(), "image/png"),
+        request_body(pattern_png(256, 256), choice_with(40), "image/png"),
+    ]
+    alone = [json.dumps(without_latency(executor.answer(body))) for body in bodies]
+    with ThreadServer(executor) as server:
+        wait_ready(server.url)
+        with ThreadPoolExecutor(6) as pool:
+            sent = [bodies[i % len(bodies)] for i in range(12)]
+            responses = list(pool.map(lambda b: post(server.url, json.loads(b)), sent))
+    for i, response in enumerate(responses):
+        assert response.status_code == 200, response.text
+        assert json.dumps(without_latency(response.json())) == alone[i % len(bodies)]
+
+
 def test_joint_lanes_split_the_bench_passes_and_keep_the_answers(executor, monkeypatch):
     """Lanes (`TorchBackend.lanes`, two CUDA streams on the GPU): the 12 speed-bench questions'
     joint passes go to both lanes by their options' length, a lane's pass runs on that lane's
@@ -593,7 +659,7 @@ def test_the_image_graph_answers_as_the_host_packed_pixels(executor):
     assert executor.vision_graph(host.image) == "vision"
     assert executor.vision_graph(whole.image) == IMAGE_GRAPH
     with torch.inference_mode():
-        assert torch.equal(executor.vision(whole), executor.vision(host))
+        assert torch.equal(executor.vision(whole.image), executor.vision(host.image))
     for a, b in zip(executor.readouts(whole), executor.readouts(host), strict=True):
         assert np.array_equal(a.zq, b.zq) and np.array_equal(a.u, b.u)
         assert all(np.array_equal(x, y) for x, y in zip(a.picked, b.picked, strict=True))
