@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 
+import numpy as np
 import pytest
 
 from runtime import strict_json
@@ -190,6 +194,49 @@ def test_the_chunked_depth_scan_carries_strings_and_escapes_across_chunks(
     assert len(parse_body(shallow)["a"]) == 41
     deep = b'{"a": [' + filler + b"[" * 126 + b"1" + b"]" * 126 + b"]}"
     assert refusal(deep) == NOT_VALID + "recursion limit exceeded"
+
+
+def whole_chunk_depth(body: bytes, chunk: int) -> int:
+    """The depth scan with every chunk scanned whole (`_scan_chunk`), as before the sparse one."""
+    state = (0, 0, False, 0)
+    for start in range(0, len(body), chunk):
+        codes = np.frombuffer(body[start : start + chunk], np.uint8)
+        state = strict_json._scan_chunk(codes, state)
+    return state[1]
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 64, 256 * 1024])
+def test_the_depth_scan_skipping_plain_chunks_gives_the_full_scans_depth(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks without brackets, quotes or backslashes (an image's base64) pass the scan's state
+    on unread: the same depth as scanning every chunk, with strings, escaped quotes and
+    backslash runs across chunk boundaries, and long runs of plain bytes."""
+    monkeypatch.setattr(strict_json, "SCAN_CHUNK", chunk)
+    rng = random.Random(chunk)
+    pieces = [b"[", b"]", b"{", b"}", b'"', b"\\", b'\\"', b"\\\\", b"a", b"x" * 40, b" "]
+    weights = [6, 5, 6, 5, 8, 2, 2, 1, 10, 3, 4]
+    for _ in range(300):
+        body = b"".join(rng.choices(pieces, weights, k=rng.randrange(1, 120)))
+        if rng.random() < 0.5:  # a long plain run, as a data URL's base64
+            at = rng.randrange(len(body) + 1)
+            body = body[:at] + b"A" * rng.randrange(1, 5 * chunk) + body[at:]
+        assert strict_json._scanned_depth(body) == whole_chunk_depth(body, chunk), body
+
+
+def test_a_large_image_costs_the_depth_scan_little() -> None:
+    """A 3 MB image in a request with 255 options (more brackets than the depth limit, so the
+    scan runs): its base64 chunks hold no bracket or quote and are skipped whole."""
+    image = base64.b64encode(bytes(range(256)) * (3 * MiB // 256)).decode()
+    options = [{"key": f"k{i}", "text": f"option {i}"} for i in range(255)]
+    body = json.dumps(
+        {"state": {"images": [f"data:image/png;base64,{image}"]}, "questions": {"q": options}}
+    ).encode()
+    assert strict_json._max_open_containers(body) == 4 == whole_chunk_depth(body, 256 * 1024)
+    scan_whole = partial(whole_chunk_depth, chunk=strict_json.SCAN_CHUNK)
+    whole = min(cpu_seconds(scan_whole, body) for _ in range(2))
+    sparse = min(cpu_seconds(strict_json._max_open_containers, body) for _ in range(2))
+    assert sparse < whole / 3, (sparse, whole)
 
 
 def test_big_numbers_still_take_the_checked_path() -> None:
