@@ -58,6 +58,11 @@ _BIG_NUMBERS = (b"0" * 19, b"e000", b"e+000")
 # Only a `\uD800`-`\uDFFF` escape can leave a surrogate in a decoded string (strict UTF-8 refuses
 # encoded ones), so bodies without one skip the surrogate walk.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# The image's base64 is most of a body and holds none of what the checks look for: where its
+# run (after ";base64," to the next quote) holds no backslash, the surrogate and number checks
+# pass over it, and so does the depth scan where the run is inside a string. A 4 MB body spent
+# 4.6 ms on the number check and 1.8 on the surrogate search, each over the whole base64.
+BASE64_RUN = b";base64,"
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
@@ -73,16 +78,17 @@ def parse_body(body: bytes, *, interleave: bool = False) -> dict:
     hooks cost ~1.5x on number-heavy bodies but hand the GIL over every few milliseconds).
     """
     text = _decode(body)
-    if _max_open_containers(body) > MAX_OPEN_CONTAINERS:
+    run = base64_run(body)
+    if _max_open_containers(body, run) > MAX_OPEN_CONTAINERS:
         raise BodyError(NOT_VALID + "recursion limit exceeded")
-    check_surrogates = _SURROGATE_ESCAPE.search(body) is not None
+    check_surrogates = _surrogate_escapes(body, run)
     numbers = {"parse_float": _parse_float, "parse_int": _parse_int}
     try:
         value = json.loads(
             text,
             object_pairs_hook=_object_hook(check_surrogates),
             parse_constant=_parse_constant,
-            **(numbers if interleave or _may_hold_big_numbers(body) else {}),
+            **(numbers if interleave or _big_numbers_outside(body, run) else {}),
         )
         if check_surrogates:
             _check_strings(value)
@@ -104,20 +110,64 @@ def _decode(body: bytes) -> str:
         raise BodyError(NOT_VALID + f"invalid UTF-8 at byte {error.start}") from None
 
 
-def _max_open_containers(body: bytes) -> int:
-    """The most arrays and objects open at once, brackets inside strings ignored."""
+def base64_run(body: bytes) -> tuple[int, int] | None:
+    """[start, end) of the body's first base64 run: after ";base64," up to the next quote,
+    where it holds no backslash; else None. Inside a string (a valid body's data URL) it holds
+    no number, escape or bracket that counts; outside one, the ";" before it is where
+    `json.loads` stops, having read nothing after it."""
+    at = body.find(BASE64_RUN)
+    if at < 0:
+        return None
+    start = at + len(BASE64_RUN)
+    end = body.find(b'"', start)
+    if end < 0 or body.find(b"\\", start, end) >= 0:
+        return None
+    return start, end
+
+
+def _surrogate_escapes(body: bytes, run: tuple[int, int] | None) -> bool:
+    """Whether the body may hold a surrogate escape, the base64 run passed over."""
+    if run is None:
+        return _SURROGATE_ESCAPE.search(body) is not None
+    before = _SURROGATE_ESCAPE.search(body, 0, run[0])
+    return before is not None or _SURROGATE_ESCAPE.search(body, run[1]) is not None
+
+
+def _big_numbers_outside(body: bytes, run: tuple[int, int] | None) -> bool:
+    """`_may_hold_big_numbers` of the body, the base64 run passed over (no digit run or exponent
+    crosses its ends: "," before it, a quote after)."""
+    if run is None:
+        return _may_hold_big_numbers(body)
+    return _may_hold_big_numbers(body[: run[0]]) or _may_hold_big_numbers(body[run[1] :])
+
+
+def _max_open_containers(body: bytes, run: tuple[int, int] | None = None) -> int:
+    """The most arrays and objects open at once, brackets inside strings ignored; the base64
+    run (`base64_run`) passed over where it is inside a string."""
     opens = body.count(b"[") + body.count(b"{")
     if opens <= MAX_OPEN_CONTAINERS:
         return opens  # fast path: never deeper than the number of brackets, strings' included
-    return _scanned_depth(body)
+    return _scanned_depth(body, run)
 
 
-def _scanned_depth(body: bytes) -> int:
+def _scanned_depth(body: bytes, run: tuple[int, int] | None = None) -> int:
     """The most arrays and objects open at once, chunk by chunk (`SCAN_CHUNK`), up to the first
-    chunk that passes MAX_OPEN_CONTAINERS."""
+    chunk that passes MAX_OPEN_CONTAINERS; from `run`'s end on where the scan is inside a
+    string at its start (the run has no quote or backslash: it changes nothing)."""
     state = (0, 0, False, 0)  # (depth, deepest, inside a string, backslashes just before)
-    for start in range(0, len(body), SCAN_CHUNK):
-        end = min(start + SCAN_CHUNK, len(body))
+    if run is None:
+        return _scan_range(body, 0, len(body), state)[1]
+    state = _scan_range(body, 0, run[0], state)
+    if state[1] > MAX_OPEN_CONTAINERS:
+        return state[1]
+    resume = run[1] if state[2] else run[0]
+    return _scan_range(body, resume, len(body), state)[1]
+
+
+def _scan_range(body: bytes, first: int, last: int, state: tuple) -> tuple:
+    """The depth scan's state after body[first:last], from `state`."""
+    for start in range(first, last, SCAN_CHUNK):
+        end = min(start + SCAN_CHUNK, last)
         lo, hi = read_span(body, start, end)
         if lo > start:  # plain bytes before the first read one: they end any backslash run
             state = (*state[:3], 0)
@@ -128,7 +178,7 @@ def _scanned_depth(body: bytes) -> int:
             state = (*state[:3], 0)
         if state[1] > MAX_OPEN_CONTAINERS:
             break  # deep enough to refuse; the rest need not be read
-    return state[1]
+    return state
 
 
 def read_span(body: bytes, start: int, end: int) -> tuple[int, int]:

@@ -239,6 +239,54 @@ def test_a_large_image_costs_the_depth_scan_little() -> None:
     assert sparse < whole / 3, (sparse, whole)
 
 
+def outcome(body: bytes) -> tuple[str, str]:
+    try:
+        return "parsed", repr(parse_body(body))
+    except BodyError as error:
+        return "refused", str(error)
+
+
+def random_body(rng: random.Random) -> bytes:
+    """A request-shaped body whose data URL's base64 run holds digits, exponents, brackets,
+    escapes or quotes at times, its other parts deep, wide or holding big numbers and
+    surrogate escapes at times; now and then ";base64," outside any string."""
+    run = "".join(rng.choices("AQe0123456789+/E", k=rng.randrange(0, 60)))
+    if rng.random() < 0.3:
+        at = rng.randrange(len(run) + 1)
+        run = run[:at] + rng.choice(["\\ud800", "\\", "[[", "{", '\\"', "1e400"]) + run[at:]
+    values = ["1", "-2.5", "18446744073709551616", "1e400", "1E+400", '"\\udc00"', '"x"', "[]"]
+    items = ", ".join(rng.choice(values) for _ in range(rng.randrange(0, 6)))
+    wide = ", ".join(["{}"] * rng.choice([0, 130]))
+    deep = rng.choice([0, 60, 130])
+    questions = "[" * deep + f"[{items}]" + (", " + wide if wide else "") + "]" * deep
+    image = f'"data:image/png;base64,{run}"'
+    if rng.random() < 0.2:  # ";base64," outside a string: invalid at that ";"
+        image = f"1;base64,{run}" + "[" * rng.choice([0, 130])
+    if rng.random() < 0.1:
+        image = f'"a;base64,{run}", "b;base64,{run}"'
+    return f'{{"state": {{"images": [{image}]}}, "questions": {questions}}}'.encode()
+
+
+def test_passing_over_the_base64_run_keeps_every_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`base64_run`: the depth, surrogate and number checks passing over the image's base64
+    give every body the outcome (the parsed value, or the refusal's message) of checking the
+    whole body."""
+    rng = random.Random(7)
+    bodies = [random_body(rng) for _ in range(1500)]
+    assert any(strict_json.base64_run(body) for body in bodies)
+    with_run = [outcome(body) for body in bodies]
+    monkeypatch.setattr(strict_json, "base64_run", lambda body: None)
+    whole = [outcome(body) for body in bodies]
+    kinds = {kind for kind, _ in whole}
+    assert kinds == {"parsed", "refused"}
+    messages = {message for kind, message in whole if kind == "refused"}
+    assert NOT_VALID + "recursion limit exceeded" in messages
+    assert NOT_VALID + "number out of range" in messages
+    assert NOT_VALID + "lone surrogate in string" in messages
+    for body, ours, theirs in zip(bodies, with_run, whole, strict=True):
+        assert ours == theirs, body
+
+
 def test_big_numbers_still_take_the_checked_path() -> None:
     assert parse_body(b'{"a": 18446744073709551615}')["a"] == 2**64 - 1
     assert parse_body(b'{"a": -9223372036854775808}')["a"] == -(2**63)
