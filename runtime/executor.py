@@ -123,13 +123,13 @@ class StartedPrefix:
     def take(self, image: PreparedImage, rows: Pass) -> tuple[State, State] | None:
         """The states, if they are the prefix of this image and these rows and not yet taken
         (a second execution of the same prepared request runs its prefix again)."""
-        if self.taken or self.image is not image or not same_rows(self.rows, rows):
+        if self.taken or self.image is not image or not same_pass(self.rows, rows):
             return None
         self.taken = True
         return self.states
 
 
-def same_rows(a: Pass, b: Pass) -> bool:
+def same_pass(a: Pass, b: Pass) -> bool:
     """Whether two passes have the same tokens, positions, lengths and sources."""
     pairs = ((a.input_ids, b.input_ids), (a.positions, b.positions))
     pairs += ((a.lengths, b.lengths), (a.src, b.src))
@@ -268,7 +268,7 @@ class Executor:
             rows = self.prefix_rows(tuple(int(x) for x in image.grid_thw))
             with self.enqueue_lock, torch.inference_mode():
                 states = self.image_prefix(image, rows)
-        except Exception as error:  # noqa: BLE001 - the execution path raises it in order
+        except Exception as error:  # the execution path runs them again and raises in order
             log.warning("the image prefix did not start early: %s", error)
             return None
         return StartedPrefix(image, rows, states)

@@ -27,6 +27,11 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image
 
+try:  # SIMD base64 (`fast_base64`); binascii alone without it
+    import pybase64
+except ImportError:
+    pybase64 = None
+
 from runtime.errors import ContractError
 from runtime.pools import process_pool
 from runtime.types import PreparedImage
@@ -189,9 +194,7 @@ def fast_base64(encoded: str) -> bytes | None:
     2-core CI machine), or None where it is missing or refuses the text. It refuses more than
     binascii's strict mode (padding before a text's end, "QUJD="), never less: binascii then
     decides, so the texts accepted are exactly its (tests/test_images.py)."""
-    try:
-        import pybase64
-    except ImportError:
+    if pybase64 is None:
         return None
     try:
         return pybase64.b64decode(encoded, validate=True)

@@ -406,7 +406,8 @@ def prepare(
     started = time.perf_counter()
     begun = None
     if image is None and pending is None:
-        pending = start_image(request, pack, resize, allocate, on_image)
+        encoded = (request.image_mime, request.image_bytes, request.opened)
+        pending = start_image_of(encoded, pack, resize, allocate, on_image)
         if pending is None:
             image, begun = image_then(
                 on_image,
@@ -460,18 +461,6 @@ def image_then(
     return image, (on_image(image) if on_image is not None else None)
 
 
-def start_image(
-    request: Request,
-    pack: bool = True,
-    resize: bool = True,
-    allocate: Allocate | None = None,
-    on_image: Callable[[PreparedImage], object] | None = None,
-) -> Future | None:
-    """`image_then` on an image thread, for a request with the contract's open image."""
-    image = (request.image_mime, request.image_bytes, request.opened)
-    return start_image_of(image, pack, resize, allocate, on_image)
-
-
 def start_image_of(
     image: tuple,
     pack: bool = True,
@@ -479,8 +468,9 @@ def start_image_of(
     allocate: Allocate | None = None,
     on_image: Callable[[PreparedImage], object] | None = None,
 ) -> Future | None:
-    """`start_image` of `runtime.contract.compile_image`'s (MIME type, bytes, open image),
-    before the questions are compiled; None without the open image."""
+    """`image_then` on an image thread, for `runtime.contract.compile_image`'s (MIME type,
+    bytes, open image): from the moment the image has passed the contract; None without the
+    contract's open image."""
     mime, data, opened = image
     if opened is None:
         return None

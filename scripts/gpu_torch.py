@@ -854,14 +854,21 @@ def drop_graphs(backend) -> None:
 def one_lane(executor, workloads: dict) -> list[dict]:
     """The GPU stages of the workloads with two or more joint passes with every joint pass in
     lane 0 (one stream, as before lanes), beside the default (TorchBackend.lanes)."""
-    backend = executor.backend
-    if getattr(backend, "lanes", 1) < 2:
+    if getattr(executor.backend, "lanes", 1) < 2:
         return []
     several = {n: w for n, w in workloads.items() if len(w[1].planned[1].joint) > 1}
-    kept = backend.lanes
-    backend.lanes = 1  # Executor.lane_of: every joint pass in lane 0
-    try:
+    with lanes(executor.backend, 1):
         return gpu_stages(executor, several)
+
+
+@contextmanager
+def lanes(backend, count: int):
+    """The backend with `count` lanes (Executor.lane_of: 1 puts every joint pass in lane 0),
+    its own again afterwards."""
+    kept = backend.lanes
+    backend.lanes = count
+    try:
+        yield backend
     finally:
         backend.lanes = kept
 
@@ -947,39 +954,35 @@ def option_rows_sweep(executor, workloads: dict) -> list[dict]:
 
 def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
     """Request JSON to response (host stages included), the executor's own stage clock; then
-    again with early heads off (every question's heads after the last pass), for comparison."""
+    again with early heads off (every question's heads after the last pass), the early prefix
+    on, and every joint pass in one lane (early heads where the plan allows them), each
+    variant's runs kept beside its median."""
     from tools import bench
 
+    variants = {
+        "early_heads_off": lambda: settings(executor, early_heads=False),
+        "early_prefix_on": lambda: settings(executor, early_prefix=True),
+    }
+    if getattr(executor.backend, "lanes", 1) > 1:
+        variants["one_lane"] = lambda: lanes(executor.backend, 1)
     rows = []
     for name, (body, _) in workloads.items():
         times = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
-        stages = {k: round(1e3 * v, 2) for k, v in executor.stages.items()}
-        with settings(executor, early_heads=False):  # every question's heads after the passes
-            late = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
-        with settings(executor, early_prefix=True):  # vision and prefix beside the text
-            early = bench.time_runs(executor.answer, body, runs, executor.stages, executor.settle)
-        lanes = getattr(executor.backend, "lanes", 1)
-        one_lane = None
-        if lanes > 1:  # every joint pass in lane 0: early heads where the plan allows them
-            executor.backend.lanes = 1
-            try:
-                one_lane = bench.time_runs(
+        row = {
+            "workload": name,
+            "median_ms": 1e3 * statistics.median(times),
+            "p90_ms": 1e3 * bench.quantile(times, 0.9),
+            "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
+            "stages_ms": {k: round(1e3 * v, 2) for k, v in executor.stages.items()},
+        }
+        for variant, changed in variants.items():
+            with changed():
+                took = bench.time_runs(
                     executor.answer, body, runs, executor.stages, executor.settle
                 )
-            finally:
-                executor.backend.lanes = lanes
-        rows.append(
-            {
-                "workload": name,
-                "median_ms": 1e3 * statistics.median(times),
-                "p90_ms": 1e3 * bench.quantile(times, 0.9),
-                "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
-                "stages_ms": stages,
-                "early_heads_off_median_ms": 1e3 * statistics.median(late),
-                "early_prefix_on_median_ms": 1e3 * statistics.median(early),
-                "one_lane_median_ms": 1e3 * statistics.median(one_lane) if one_lane else None,
-            }
-        )
+            row[f"{variant}_median_ms"] = 1e3 * statistics.median(took)
+            row[f"{variant}_runs_ms"] = [round(1e3 * t, 3) for t in took]
+        rows.append(row)
         log(f"request {rows[-1]}")
     return rows
 
@@ -1508,11 +1511,8 @@ def latency_table(rows: list[dict], reference: list[dict] | None = None) -> str:
             f"| {r['workload']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {target} | "
             f"{theirs} | {cells} |"
         )
-    late = [r for r in rows if "early_heads_off_median_ms" in r]
-    if late:  # whole requests: the same with every question's heads after the last pass
-        off = ", ".join(f"{r['workload']} {r['early_heads_off_median_ms']:.1f}" for r in late)
-        lines.append(f"\nearly heads off, median ms: {off}")
-    for key, what in (
+    for key, what in (  # whole requests' variants (`whole_requests`)
+        ("early_heads_off_median_ms", "early heads off"),
         ("early_prefix_on_median_ms", "early prefix on"),
         ("one_lane_median_ms", "every joint pass in one lane"),
     ):
