@@ -383,6 +383,11 @@ def test_the_fast_path_releases_the_gil():
         thread.join()
         return counts[0] / elapsed
 
-    idle = spins_per_second(lambda: time.sleep(0.003))
-    decoding = spins_per_second(lambda: images.decode_rgb(still, "image/png"))
-    assert decoding > 0.5 * idle
+    # the best of three pairs: the other test process shares the 2-core CI machine, and one
+    # pair measured beside its load fell short in 2 of 5 fresh-clone runs
+    ratios = []
+    for _ in range(3):
+        idle = spins_per_second(lambda: time.sleep(0.003))
+        decoding = spins_per_second(lambda: images.decode_rgb(still, "image/png"))
+        ratios.append(decoding / idle)
+    assert max(ratios) > 0.5, ratios
