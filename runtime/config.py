@@ -38,6 +38,9 @@ class RuntimeConfig:
     # while the later passes execute; None: on CUDA
     joint_lanes: bool | None = None  # joint passes of different option lengths run at once on
     # two CUDA streams (TorchBackend.lane_stream); None: on CUDA with graphs
+    mlps_behind: bool | None = None  # the heads' MLPs enqueued on the device right behind a
+    # request's passes, their outputs back with the readouts; None: wherever the heads' MLPs
+    # run on the engine's device (device_heads)
     early_prefix: bool = False  # the vision tower and image prefix enqueued as soon as the
     # image is decoded, while the text is prepared (Executor.start_prefix); off by default: on
     # the H200 it gave the same whole-request times as after the text (h200-2026-12-04d)
@@ -124,6 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("joint-passes", "option rows in one pass with their questions (default: where kept)"),
         ("early-heads", "heads of finished questions beside later passes (default: on CUDA)"),
         ("joint-lanes", "joint passes at once on two CUDA streams (default: on CUDA)"),
+        ("mlps-behind", "heads' MLPs right behind the passes (default: with device heads)"),
         ("early-prefix", "image prefix enqueued while the text is prepared (default: off)"),
         ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
     ):

@@ -26,6 +26,7 @@ import torch
 from runtime.backends import Backend, choose_backend
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_GRAPH, IMAGE_PAD_ID, JOINT_GRAPH, JOINT_PREFIXES, MODEL_ID
+from runtime.heads import mlp_names, product_rows
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.manifest import verify_engine_dir
@@ -44,7 +45,14 @@ from runtime.passes import (
     plan,
     plan_prefix,
 )
-from runtime.types import Prepared, PreparedImage, Question, QuestionReadout, grid_tokens
+from runtime.types import (
+    TYPE_IDS,
+    Prepared,
+    PreparedImage,
+    Question,
+    QuestionReadout,
+    grid_tokens,
+)
 
 # An image prefix kept across requests (RuntimeConfig.prefix_cache entries) is ~50 MiB of Gated
 # DeltaNet state plus 32 KiB of K/V per prefix token on the 4b (model.md §11).
@@ -196,6 +204,8 @@ class Executor:
                 log.warning(
                     "heads: the device's products fail the check, the heads stay on the CPU"
                 )
+            elif not self.heads.device_mlps.behind_usable:
+                log.warning("heads: the MLPs behind the passes fail the check, not used")
         self._lm_dtypes = self.backend.input_dtypes("lm_state")
         # the backend runs a pass without readout outputs without its readout
         self.backend_skips_readouts = bool(getattr(self.backend, "optional_readouts", False))
@@ -378,6 +388,7 @@ class Executor:
             taken = HostReadouts()
             early = self.early_heads_on(work)
             landed: list[tuple] = []  # joint passes read on the host early, all but the last
+            read_early: list[tuple] = []  # their (pass, outputs) pairs, as `asked`, `answered`
             lanes = Lanes(self.backend, self.device)
             for k, jp in enumerate(work.joint):
                 lane = self.lane_of(jp)
@@ -385,6 +396,7 @@ class Executor:
                     out, parts_out = self.run_joint(jp, prefix, prefix_state, lane)
                     if early and k < len(work.joint) - 1:
                         landed.append(self.copy_back([out, *parts_out]))
+                        read_early += [(jp.question, out), *zip(jp.parts, parts_out, strict=True)]
                     else:
                         asked.append((jp.question, out))
                         answered.extend(zip(jp.parts, parts_out, strict=True))
@@ -399,21 +411,65 @@ class Executor:
                     if op.question_pass == pi:
                         answered.append((op, self.run_options(op, prefix, state)))
                 clock.lap("options")
+            late = [qi for qi in range(len(prepared.layouts)) if qi not in made]
+            behind = self.mlps_behind(prepared, late, [*read_early, *asked, *answered])
             # every readout copied behind the passes into pinned memory, then one wait
-            event, copies = self.copy_back([out for _, out in (*asked, *answered)])
+            outputs = [out for _, out in (*asked, *answered)]
+            event, copies = self.copy_back(outputs, behind.outputs if behind else {})
         # waited for without the lock: the next request's image prefix enqueues meanwhile
         if event is not None:
             event.synchronize()
         with torch.inference_mode():
+            *copies, mlp_copies = copies
             arrays = [(hidden.numpy(), logprobs.numpy()) for hidden, logprobs in copies]
             for (qp, _), (hidden, logprobs) in zip(asked, arrays[: len(asked)], strict=True):
                 taken.take_question(qp, hidden, logprobs)
             for (op, _), (hidden, logprobs) in zip(answered, arrays[len(asked) :], strict=True):
                 taken.take_options(op, hidden, logprobs)
             clock.lap("readouts")
-        late = [qi for qi in range(len(prepared.layouts)) if qi not in made]
-        made.update(zip(late, taken.collect(prepared, late), strict=True))
+        collected = taken.collect(prepared, late)
+        if behind is not None:
+            behind.hand_out(late, collected, {k: v.numpy() for k, v in mlp_copies.items()})
+        made.update(zip(late, collected, strict=True))
         return [made[qi] for qi in range(len(prepared.layouts))]
+
+    def mlps_behind(
+        self, prepared: Prepared, late: list[int], reads: list[tuple]
+    ) -> MlpsBehind | None:
+        """The heads' MLPs of the `late` questions' zq and u rows, enqueued on the device right
+        behind the passes that read them (`DeviceMLPs.behind`): their outputs come back with
+        the readouts, in place of a trip of those rows to the host, back to the device and
+        back again in the heads. `reads` are the request's (pass, outputs) pairs in the order
+        `HostReadouts` takes them. None where the heads' MLPs are not on this device, where
+        `behind` did not give `apply`'s bytes at load, or where it is turned off."""
+        mlps = self.heads.device_mlps
+        wanted = self.config.on(self.config.mlps_behind, True)
+        if mlps is None or not wanted or not mlps.behind_usable or mlps.device != self.device:
+            return None
+        where: dict[tuple, tuple[torch.Tensor, int]] = {}  # readout key -> (hidden, its row)
+        for p, out in reads:
+            if isinstance(p, OptionPass):
+                where.update(((qi, k), (out["hidden"], i)) for (qi, k), i in p.u_read.items())
+            else:
+                where.update(((qi,), (out["hidden"], i)) for qi, i in p.zq_read.items())
+        rows: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        spans: dict[int, dict[str, tuple[int, int]]] = {}
+        for qi in late:
+            kind = prepared.questions[qi].type
+            if kind not in TYPE_IDS:
+                continue  # the heads refuse it, in its turn
+            keys = [(qi,), *((qi, k) for k in range(len(prepared.layouts[qi].rows)))]
+            if any(key not in where for key in keys):
+                return None
+            spans[qi] = {}
+            for name, mine in zip(mlp_names(kind), (keys[:1], keys[1:]), strict=True):
+                taken = rows.setdefault(name, [])
+                spans[qi][name] = (len(taken), len(taken) + len(mine))
+                taken.extend(where[key] for key in mine)
+        if not rows:
+            return None
+        inputs = gather_rows(rows, self.heads.hidden, self.device)
+        return MlpsBehind(mlps.behind(inputs), spans)
 
     def lane_of(self, jp: JointPass) -> int:
         """The lane a joint pass runs in (`TorchBackend.lanes`), by its own options' length
@@ -434,20 +490,20 @@ class Executor:
         one_lane = len({self.lane_of(jp) for jp in work.joint}) == 1
         return wanted and one_lane and early_heads_fit(work)
 
-    def copy_back(self, outputs: list[dict[str, torch.Tensor]]) -> tuple:
+    def copy_back(
+        self, outputs: list[dict[str, torch.Tensor]], extra: dict[str, torch.Tensor] | None = None
+    ) -> tuple:
         """Passes' readouts copied into pinned host memory behind them in the stream, and the
-        event that says they are there: (event or None, [(hidden, logprobs) per output]); in
-        place of a pageable `.cpu()` a tensor, each a wait and a copy at pageable speed."""
+        event that says they are there: (event or None, [(hidden, logprobs) per output]), and
+        with `extra`, those tensors' copies by name after them; in place of a pageable `.cpu()`
+        a tensor, each a wait and a copy at pageable speed."""
+        pairs = [(o["hidden"].float(), o["logprobs"].float()) for o in outputs]
+        tail = [] if extra is None else [dict(extra)]
         if self.device.type != "cuda":
-            return None, [(o["hidden"].float(), o["logprobs"].float()) for o in outputs]
-        copies = []
-        for o in outputs:
-            pair = []
-            for name in ("hidden", "logprobs"):
-                tensor = o[name].float()
-                pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                pair.append(pinned.copy_(tensor, non_blocking=True))
-            copies.append(tuple(pair))
+            return None, pairs + tail
+        copies = [tuple(map(pinned_copy, pair)) for pair in pairs]
+        if extra is not None:
+            copies.append({name: pinned_copy(tensor) for name, tensor in extra.items()})
         event = torch.cuda.Event()
         event.record()
         return event, copies
@@ -918,6 +974,39 @@ def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> to
     return pinned.to(device, dtype, non_blocking=True)
 
 
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy into pinned host memory, enqueued behind its work, not waited
+    for."""
+    pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return pinned.copy_(tensor, non_blocking=True)
+
+
+def gather_rows(
+    rows: dict[str, list[tuple[torch.Tensor, int]]], hidden: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each MLP's input rows (name -> [(a pass's hidden readouts, row)]) gathered on the
+    device into [N, hidden], N rounded up to whole DEVICE_ROWS-row products with zero rows:
+    the readouts of every pass named, and a zero row, as one tensor, and one upload of every
+    name's row numbers."""
+    sources: dict[int, torch.Tensor] = {}
+    for pairs in rows.values():
+        for tensor, _ in pairs:
+            sources.setdefault(id(tensor), tensor)
+    starts, at = {}, 0
+    for key, tensor in sources.items():
+        starts[key] = at
+        at += tensor.shape[0]
+    zero = at  # the row past every source: zeros
+    zeros = torch.zeros(1, hidden, device=device)
+    every = torch.cat([*(tensor.float() for tensor in sources.values()), zeros])
+    wanted = {}
+    for name, pairs in rows.items():
+        taken = [starts[id(tensor)] + row for tensor, row in pairs]
+        wanted[name] = np.array(taken + [zero] * (product_rows(len(taken)) - len(taken)))
+    uploaded = upload_ints(wanted, device)
+    return {name: every.index_select(0, index) for name, index in uploaded.items()}
+
+
 def pinned_uint8(shape: tuple[int, ...]) -> np.ndarray:
     """A uint8 array in pinned host memory, for a decode to write the image into: its upload
     then copies nothing on the host (0.42 ms of a 1600 × 900 image on the H200's host, against
@@ -936,6 +1025,23 @@ def upload_ints(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str
         views[name] = uploaded[at : at + part.size].view(array.shape)
         at += part.size
     return views
+
+
+@dataclass
+class MlpsBehind:
+    """The heads' MLP outputs a request's passes made on the device (`Executor.mlps_behind`):
+    by MLP name, and where each question's rows are in them."""
+
+    outputs: dict[str, torch.Tensor]  # name -> [N, width] on the device
+    spans: dict[int, dict[str, tuple[int, int]]]  # question -> name -> (start, end)
+
+    def hand_out(
+        self, which: list[int], readouts: list[QuestionReadout], host: dict[str, np.ndarray]
+    ) -> None:
+        """Each question's rows of the outputs, now on the host, into its readout's `mlps`."""
+        for qi, readout in zip(which, readouts, strict=True):
+            if qi in self.spans:
+                readout.mlps = {n: host[n][a:b] for n, (a, b) in self.spans[qi].items()}
 
 
 @dataclass

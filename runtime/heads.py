@@ -335,9 +335,8 @@ class Heads:
             zq, u = self._inputs(readout.zq, readout.u)
         except ExecutionError:
             return {}
-        if question_type == "score" and ordinal:
-            return {"ord.z": zq[None, :], "ord.cut": u}
-        return {"head.que": zq[None, :], "head.opt": u}
+        zq_mlp, u_mlp = mlp_names(question_type, ordinal)
+        return {zq_mlp: zq[None, :], u_mlp: u}
 
     def _inputs(self, zq, u) -> tuple[np.ndarray, np.ndarray]:
         u = np.asarray(u, dtype=np.float32)
@@ -439,6 +438,22 @@ class Heads:
         cdf[-1] = np.float32(1.0)
         p = np.concatenate([cdf[:1], cdf[1:] - cdf[:-1]])
         return _check_output(np.maximum(p, ORDINAL_FLOOR).astype(np.float32), raw.shape[0])
+
+
+def mlp_names(question_type: str, ordinal: bool = True) -> tuple[str, str]:
+    """The MLPs a question's zq row and u rows go through: the ordinal head's for Score (with
+    `ordinal`), else the OptionScorer's."""
+    if question_type == "score" and ordinal:
+        return "ord.z", "ord.cut"
+    return "head.que", "head.opt"
+
+
+def premade(inputs: dict, readout: QuestionReadout) -> dict:
+    """The MLP outputs a readout brought for these first inputs (`QuestionReadout.mlps`, made
+    on the device behind the passes), or {} where it brought none or not all of them."""
+    if not inputs or readout.mlps is None or not set(inputs) <= set(readout.mlps):
+        return {}
+    return {name: readout.mlps[name] for name in inputs}
 
 
 def product_rows(rows: int) -> int:
@@ -565,12 +580,16 @@ def questions_mu(
         heads.first_inputs(kind, readout, ordinal) if kind in TYPE_IDS else {}
         for kind, readout in items
     ]
-    made: list[dict] = [{} for _ in items]
+    # the MLP outputs made behind the passes where a readout brought them, the rest here
+    made = [premade(inputs, readout) for inputs, (_, readout) in zip(wanted, items, strict=True)]
+    rest = [{} if outputs else inputs for inputs, outputs in zip(wanted, made, strict=True)]
     with torch.inference_mode(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        if heads.device_mlps is not None:
-            heads.device_mlps.run(wanted, made)
+        if not any(rest):
+            pass
+        elif heads.device_mlps is not None:
+            heads.device_mlps.run(rest, made)
         else:
-            host_mlps(heads, wanted, made)
+            host_mlps(heads, rest, made)
         if all(wanted):
             try:
                 return heads_together(heads, items, made, ordinal, lm_feats)
@@ -648,6 +667,16 @@ class DeviceMLPs:
             stream=self.stream,
         )
         self.host: dict[str, torch.Tensor] = {}  # `buffer`'s, pinned on CUDA
+        # `behind`'s slots, apart from `apply`'s: its products wait in the passes' stream after
+        # the call returns, while `apply` may fill its own buffers on the MLPs' stream
+        self.queued = GraphSlots(
+            device,
+            bind=self.bind,
+            launch=self.launch,
+            size=len(FIRST_LINEAR_ORDER),
+            capture=cuda,
+        )
+        self.behind_usable = False  # `usable` sets it: `behind` gives `apply`'s bytes
 
     def streamed(self):
         """The context that puts work on the MLPs' own stream (none on the CPU)."""
@@ -726,6 +755,22 @@ class DeviceMLPs:
                 self.stream.synchronize()
             return [view.numpy().copy() for view in views]  # the buffers serve the next call
 
+    def behind(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each MLP over rows already on the device (name -> [N, D], N a multiple of
+        DEVICE_ROWS, zero rows filling the last product), enqueued on the current stream behind
+        what is there and not waited for: name -> outputs [N, width] on the device. The
+        executor enqueues them right behind a request's passes (`Executor.mlps_behind`), so
+        that their rows never go to the host and back before the heads."""
+        made = {}
+        with self.lock, torch.inference_mode():
+            for name, x in rows.items():
+                y = torch.empty(x.shape[0], self.widths[f"{name}.2"], device=self.device)
+                for at in range(0, x.shape[0], DEVICE_ROWS):
+                    piece = slice(at, at + DEVICE_ROWS)
+                    self.queued.run((name,), {"x": x[piece]}, {"y": y[piece]})
+                made[name] = y
+        return made
+
     def buffer(self, name: str, size: int) -> torch.Tensor:
         """A float32 host buffer of at least `size` elements, pinned on CUDA, kept for later
         calls."""
@@ -755,6 +800,21 @@ class DeviceMLPs:
                 on_device(x[:DEVICE_ROWS]), host, rtol=DEVICE_TOLERANCE, atol=DEVICE_TOLERANCE
             ):
                 return False
+        self.behind_usable = self.behind_agrees()
+        return True
+
+    def behind_agrees(self) -> bool:
+        """Whether `behind` gives every row `apply`'s bytes: two products of each MLP, twice
+        (the first product eager, the others through the captured graph where it captures)."""
+        generator = torch.Generator().manual_seed(1)
+        for name in FIRST_LINEAR_ORDER:
+            x = torch.randn(2 * DEVICE_ROWS, self.heads.hidden, generator=generator)
+            expected = self.mlp_on_host_rows(name, x)
+            for _ in range(2):
+                with torch.inference_mode():
+                    made = self.behind({name: x.to(self.device)})[name].cpu()
+                if not torch.equal(made, expected):
+                    return False
         return True
 
     def mlp_on_host_rows(self, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -118,3 +118,6 @@ class QuestionReadout:
     # and the answer made from it then, but its latency fields (`runtime.finish.finish_early`)
     mu: np.ndarray | None = None
     fields: dict | None = None
+    # the outputs of the heads' MLPs of zq and u (`runtime.heads.mlp_names`: name -> rows),
+    # made on the device right behind the passes (`Executor.mlps_behind`); None: made by the heads
+    mlps: dict[str, np.ndarray] | None = None

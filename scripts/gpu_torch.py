@@ -955,13 +955,15 @@ def option_rows_sweep(executor, workloads: dict) -> list[dict]:
 def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
     """Request JSON to response (host stages included), the executor's own stage clock; then
     again with early heads off (every question's heads after the last pass), the early prefix
-    on, and every joint pass in one lane (early heads where the plan allows them), each
-    variant's runs kept beside its median."""
+    on, the heads' MLPs after the readouts rather than behind the passes, and every joint pass
+    in one lane (early heads where the plan allows them), each variant's runs kept beside its
+    median, and whether it gave the default's answer bytes."""
     from tools import bench
 
     variants = {
         "early_heads_off": lambda: settings(executor, early_heads=False),
         "early_prefix_on": lambda: settings(executor, early_prefix=True),
+        "mlps_behind_off": lambda: settings(executor, mlps_behind=False),
     }
     if getattr(executor.backend, "lanes", 1) > 1:
         variants["one_lane"] = lambda: lanes(executor.backend, 1)
@@ -975,11 +977,14 @@ def whole_requests(executor, workloads: dict, runs: int = RUNS) -> list[dict]:
             "runs_ms": [round(1e3 * t, 3) for t in times],  # every run, in order
             "stages_ms": {k: round(1e3 * v, 2) for k, v in executor.stages.items()},
         }
+        answers = json.dumps(bench.without_latency(executor.answer(body)))
         for variant, changed in variants.items():
             with changed():
                 took = bench.time_runs(
                     executor.answer, body, runs, executor.stages, executor.settle
                 )
+                theirs = json.dumps(bench.without_latency(executor.answer(body)))
+            row[f"{variant}_same_answers"] = theirs == answers
             row[f"{variant}_median_ms"] = 1e3 * statistics.median(took)
             row[f"{variant}_runs_ms"] = [round(1e3 * t, 3) for t in took]
         rows.append(row)
@@ -1514,6 +1519,7 @@ def latency_table(rows: list[dict], reference: list[dict] | None = None) -> str:
     for key, what in (  # whole requests' variants (`whole_requests`)
         ("early_heads_off_median_ms", "early heads off"),
         ("early_prefix_on_median_ms", "early prefix on"),
+        ("mlps_behind_off_median_ms", "heads' MLPs after the readouts (not behind the passes)"),
         ("one_lane_median_ms", "every joint pass in one lane"),
     ):
         found = [r for r in rows if r.get(key) is not None]

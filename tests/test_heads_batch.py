@@ -266,3 +266,54 @@ def test_features_of_several_questions_are_each_questions_own():
     together = options_features(questions)
     alone = np.concatenate([lm_features(picked, first) for picked, first in questions])
     assert together.tobytes() == alone.tobytes()
+
+
+def test_mlp_outputs_a_readout_brings_are_used_in_place_of_the_heads_own():
+    """`QuestionReadout.mlps` (made on the device behind the passes) stand in for the MLPs:
+    the bytes the heads would make give the same mu without the MLPs running; other values
+    move the mu; a readout that brings only some of its MLPs has the rest made."""
+    from runtime.heads import mlp_names
+
+    heads, rng = random_heads(64), np.random.default_rng(5)
+    items = mixed(rng, 64, 6)
+    expected = questions_mu(heads, items)
+    for kind, r in items:
+        zq_mlp, u_mlp = mlp_names(kind)
+        r.mlps = {zq_mlp: heads._mlp(zq_mlp, r.zq[None, :]), u_mlp: heads._mlp(u_mlp, r.u)}
+
+    def refused(*args):
+        raise AssertionError("the MLPs ran")
+
+    heads._mlp = refused  # every MLP output comes from the readouts
+    together = questions_mu(heads, items)
+    assert [m.tobytes() for m in together] == [m.tobytes() for m in expected]
+    kind, r = items[1]
+    r.mlps = {name: values + np.float32(0.5) for name, values in r.mlps.items()}
+    assert questions_mu(heads, [items[1]])[0].tobytes() != expected[1].tobytes()
+    del heads._mlp
+    r.mlps = {mlp_names(kind)[0]: r.mlps[mlp_names(kind)[0]]}  # one of its two: both made here
+    assert questions_mu(heads, [items[1]])[0].tobytes() == expected[1].tobytes()
+
+
+def test_mlps_behind_give_applys_bytes_and_are_refused_where_they_do_not(monkeypatch):
+    """`DeviceMLPs.behind` (rows already on the device, not waited for) gives each row the
+    bytes `apply` gives it; where it did not at load, the executor does not use it."""
+    import torch
+
+    from runtime.heads import DEVICE_ROWS, DeviceMLPs
+
+    heads = random_heads(64)
+    assert heads.use_device("cpu") and heads.device_mlps.behind_usable
+    mlps = heads.device_mlps
+    x = torch.randn(3 * DEVICE_ROWS, 64, generator=torch.Generator().manual_seed(2))
+    for name in ("head.opt", "ord.cut"):
+        made = mlps.behind({name: x})[name]
+        assert torch.equal(made, mlps.mlp_on_host_rows(name, x))
+        assert made.shape == (3 * DEVICE_ROWS, mlps.widths[f"{name}.2"])
+    behind = DeviceMLPs.behind
+
+    def skewed(self, rows):
+        return {name: values + 1 for name, values in behind(self, rows).items()}
+
+    monkeypatch.setattr(DeviceMLPs, "behind", skewed)
+    assert heads.use_device("cpu") and not heads.device_mlps.behind_usable

@@ -681,3 +681,35 @@ def test_heads_on_the_engines_device_give_the_same_answers(engines, executor):
     assert json.dumps(without_latency(on_device.answer(body))) == json.dumps(
         without_latency(executor.answer(body))
     )
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_mlps_behind_the_passes_give_the_heads_own_answers(engines, early, monkeypatch):
+    """The heads' MLPs enqueued behind the passes (`mlps_behind`, on with device heads): every
+    question the last passes finish brings its MLP outputs with its readouts, the heads make
+    none of them again, and the answers are those of the MLPs run by the heads, byte for byte;
+    with early heads too (the questions finished early keep the heads' own trip)."""
+    from runtime.config import RuntimeConfig
+    from runtime.executor import load_engine
+    from runtime.heads import DeviceMLPs
+
+    config = RuntimeConfig.from_env(
+        backend="torch", device_heads=True, prefix_cache=0, early_heads=early
+    )
+    executor = load_engine(str(engines[0]), str(engines[1]), config)
+    assert executor.heads.device_mlps.behind_usable
+    questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
+    body = request_body(pattern_png(320, 224), questions, "image/png")
+    prepared = executor.prepare(json.loads(body))
+    made = executor.readouts(prepared)
+    late = [r.mu is None for r in made]
+    assert [r.mlps is not None for r in made] == late and all(late) != early
+    trips = []
+    run = DeviceMLPs.run
+    monkeypatch.setattr(DeviceMLPs, "run", lambda self, *a: trips.append(a) or run(self, *a))
+    behind = without_latency(executor.answer(body))
+    # the heads' own trips are the early questions' only
+    assert sum(len(rest) for rest, _ in trips) == late.count(False)
+    executor.config = config.with_(mlps_behind=False)
+    assert not any(r.mlps is not None for r in executor.readouts(prepared))
+    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(behind)

@@ -49,6 +49,10 @@ DEVICE_UPLOAD = "upload uint8 + device patches"
 # on the device, on the host for a CPU upload
 HOST_TOTAL_EARLY = "host total, early heads"
 EARLY_HEADS = "early heads and answers, beside the later passes"
+# the executor's default with the heads' MLPs on the device (RuntimeConfig.mlps_behind): as
+# HOST_TOTAL_EARLY, the MLPs of the questions left after the early heads made on the device
+# behind the passes, their outputs coming with the readouts (not host work)
+HOST_TOTAL_BEHIND = "host total, early heads, MLPs behind the passes"
 EVERY_RUN = "runs_ms"  # each run's milliseconds by stage and total, in run order (not in the table)
 
 
@@ -253,11 +257,13 @@ def total_once(
     device,
     pack: bool = True,
     early: list[float] | None = None,
+    behind: bool = False,
 ) -> float:
     """The same path end to end with the runtime's own entry points (prepare, plan, respond);
     `pack` False resizes and makes the patches on the device from the uploaded uint8 image;
     `early` (a list) plans as the torch backend does and makes the early heads before the
-    clock resumes, their seconds appended to it (HOST_TOTAL_EARLY)."""
+    clock resumes, their seconds appended to it (HOST_TOTAL_EARLY); `behind` then hands the
+    other questions their MLP outputs with the readouts (HOST_TOTAL_BEHIND)."""
     from runtime import finish
     from runtime.contract import compile_request
     from runtime.finish import answer_question
@@ -286,6 +292,8 @@ def total_once(
     readouts = synthetic_readouts(prepared, heads.hidden)
     if early is not None:
         early.append(early_heads(prepared, work, heads, readouts, calibration))
+    if behind:
+        made_behind(heads, prepared, readouts)
     resumed = TIMERS["total"]()
     questions = prepared.questions
     if hasattr(finish, "answer_questions"):  # as Executor.respond can call it
@@ -321,6 +329,26 @@ def early_heads(prepared, work, heads, readouts: list, calibration) -> float:
             questions = [prepared.questions[qi] for qi in ready]
             finish_early(heads, calibration, questions, [readouts[qi] for qi in ready])
     return TIMERS["total"]() - started
+
+
+def made_behind(heads, prepared, readouts: list) -> None:
+    """The MLP outputs the executor's passes hand the questions not answered early
+    (`Executor.mlps_behind`), made here by the heads' device MLPs into `readouts`."""
+    late = [(q.type, r) for q, r in zip(prepared.questions, readouts, strict=True) if r.mu is None]
+    wanted = [heads.first_inputs(kind, r, True) for kind, r in late]
+    made: list[dict] = [{} for _ in late]
+    heads.device_mlps.run(wanted, made)
+    for (_, r), outputs in zip(late, made, strict=True):
+        r.mlps = outputs
+
+
+def can_hand_mlps(heads) -> bool:
+    """Whether this runtime takes MLP outputs with the readouts (`QuestionReadout.mlps`) and
+    the heads' MLPs are on a device."""
+    from runtime.types import QuestionReadout
+
+    has = "mlps" in QuestionReadout.__dataclass_fields__
+    return has and getattr(heads, "device_mlps", None) is not None
 
 
 def has_early_heads() -> bool:
@@ -360,7 +388,7 @@ def profile(
     for name, request in requests.items():
         times: dict[str, list[float]] = {}
         totals = []
-        unpacked, with_early, early = [], [], []
+        unpacked, with_early, early, with_behind = [], [], [], []
         for run in range(runs + 2):  # two warm-up runs
             if run < 2:
                 profile_once(request, tokenizer, heads, calibration, dev, {})
@@ -374,6 +402,9 @@ def profile(
                 with_early.append(
                     total_once(request, tokenizer, heads, calibration, dev, host_image, early)
                 )
+            if unpacks and has_early_heads() and can_hand_mlps(heads):
+                args = (request, tokenizer, heads, calibration, dev, host_image, [], True)
+                with_behind.append(total_once(*args))
         row = {stage: 1e3 * statistics.median(times[stage]) for stage in STAGES}
         row["sum of stages"] = sum(row[stage] for stage in STAGES)
         row[HOST_TOTAL] = 1e3 * statistics.median(totals)
@@ -382,10 +413,13 @@ def profile(
         if with_early:
             row[HOST_TOTAL_EARLY] = 1e3 * statistics.median(with_early)
             row[EARLY_HEADS] = 1e3 * statistics.median(early)
+        if with_behind:
+            row[HOST_TOTAL_BEHIND] = 1e3 * statistics.median(with_behind)
         if DEVICE_UPLOAD in times:
             row[DEVICE_UPLOAD] = 1e3 * statistics.median(times[DEVICE_UPLOAD])
         every = {**times, HOST_TOTAL: totals, HOST_TOTAL_DEVICE: unpacked}
         every.update({HOST_TOTAL_EARLY: with_early, EARLY_HEADS: early})
+        every[HOST_TOTAL_BEHIND] = with_behind
         row[EVERY_RUN] = {k: [round(1e3 * t, 3) for t in v] for k, v in every.items() if v}
         results[name] = row
     return results
@@ -399,6 +433,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
         "| --- |" + " ---: |" * len(names),
     ]
     totals = (HOST_TOTAL, HOST_TOTAL_DEVICE, DEVICE_UPLOAD, HOST_TOTAL_EARLY, EARLY_HEADS)
+    totals += (HOST_TOTAL_BEHIND,)
     for stage in (*STAGES, "sum of stages", *totals):
         if any(stage not in results[n] for n in names):
             continue
