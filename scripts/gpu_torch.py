@@ -671,6 +671,63 @@ def image_graph_probe() -> dict:
     return found
 
 
+def respond_split(executor, workloads: dict, runs: int = 50) -> dict:
+    """Executor.respond of real readouts, split: the heads (`questions_mu`) and the finishing
+    (`answer_fields`, latency fields), median ms, at each of HOST_THREADS and one PyTorch
+    thread; then the request's whole time at those threads."""
+    import torch
+
+    from runtime import finish
+    from tools import bench
+
+    kept = torch.get_num_threads()
+    result = {}
+    try:
+        for threads in sorted({1, *HOST_THREADS}):
+            torch.set_num_threads(threads)
+            for name in ("1 question", "12 questions", "255 options"):
+                body, prepared = workloads[name]
+                readouts = executor.readouts(prepared)
+                items = [(q.type, r) for q, r in zip(prepared.questions, readouts, strict=True)]
+                row = {
+                    "respond_ms": bench.median_ms(
+                        partial(executor.respond, prepared, readouts, 0.0), runs
+                    ),
+                    "questions_mu_ms": bench.median_ms(
+                        partial(finish.questions_mu, executor.heads, items), runs
+                    ),
+                    "with_mlps": sum(r.mlps is not None for r in readouts),
+                }
+                times = bench.time_runs(executor.answer, body, 20, executor.stages)
+                row["request_ms"] = 1e3 * statistics.median(times)
+                row["heads_stage_ms"] = 1e3 * executor.stages["heads"]
+                result[f"{name}, {threads} threads"] = row
+                log(f"respond split {name}, {threads} threads: {row}")
+    finally:
+        torch.set_num_threads(kept)
+    return result
+
+
+def host_probe_session() -> None:
+    """One short call on a warm machine: where the heads' host time goes with real readouts
+    (`respond_split`, the heads' cProfile) and the whole requests' cProfile."""
+    from server.app import limit_torch_threads
+
+    limit_torch_threads()
+    use_cache_dirs()
+    report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
+    attempt(report, "build", build)
+    executor = attempt(report, "load", executor_for, Run("bf16"))
+    if isinstance(executor, dict):
+        save("host-probe.json", report)
+        return
+    workloads = prepared_workloads(executor)
+    attempt(report, "respond_split", respond_split, executor, workloads)
+    attempt(report, "heads_profile", heads_profile, executor, workloads)
+    attempt(report, "whole_profile", whole_profile, executor, workloads)
+    save("host-probe.json", report)
+
+
 def probe_session() -> None:
     """One short call: `prefetch_probe` and `image_graph_probe`."""
     report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
@@ -1867,6 +1924,8 @@ if __name__ == "__main__":
         waits_session()
     elif mode == "parts":
         parts_session()
+    elif mode == "hostprobe":
+        host_probe_session()
     elif mode == "probe":
         probe_session()
     elif mode == "attention":
