@@ -675,6 +675,8 @@ def respond_split(executor, workloads: dict, runs: int = 50) -> dict:
     """Executor.respond of real readouts, split: the heads (`questions_mu`) and the finishing
     (`answer_fields`, latency fields), median ms, at each of HOST_THREADS and one PyTorch
     thread; then the request's whole time at those threads."""
+    import resource
+
     import torch
 
     from runtime import finish
@@ -698,9 +700,20 @@ def respond_split(executor, workloads: dict, runs: int = 50) -> dict:
                     ),
                     "with_mlps": sum(r.mlps is not None for r in readouts),
                 }
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 times = bench.time_runs(executor.answer, body, 20, executor.stages)
                 row["request_ms"] = 1e3 * statistics.median(times)
                 row["heads_stage_ms"] = 1e3 * executor.stages["heads"]
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                row["page_faults_per_request"] = faults / 20
+                heads_faults = []
+                for _ in range(10):
+                    readouts = executor.readouts(prepared)
+                    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    executor.respond(prepared, readouts, 0.0)
+                    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    heads_faults.append(after - before)
+                row["page_faults_in_respond"] = statistics.median(heads_faults)
                 result[f"{name}, {threads} threads"] = row
                 log(f"respond split {name}, {threads} threads: {row}")
     finally:
