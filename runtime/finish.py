@@ -160,7 +160,7 @@ def _check_mu(mu, keys: Sequence[str]) -> np.ndarray:
     mu = np.asarray(mu, dtype=np.float32)
     if mu.ndim != 1 or mu.shape[0] == 0 or mu.shape[0] != len(keys):
         raise ExecutionError("invalid head output")
-    if not np.all(np.isfinite(mu)):
+    if not np.isfinite(mu).all():
         raise ExecutionError("invalid head output")
     return mu
 

@@ -215,14 +215,14 @@ def _quiet(method: Callable) -> Callable:
 def _check_output(values: np.ndarray, count: int) -> np.ndarray:
     if values.ndim != 1 or values.shape[0] == 0 or values.shape[0] != count:
         raise ExecutionError("invalid head output")
-    if not np.all(np.isfinite(values)):
+    if not np.isfinite(values).all():
         raise ExecutionError("invalid head output")
     return values
 
 
 def _as_input(value, shape: tuple[int, ...]) -> np.ndarray:
     array = np.asarray(value, dtype=np.float32)
-    if array.shape != shape or not np.all(np.isfinite(array)):
+    if array.shape != shape or not np.isfinite(array).all():
         raise ExecutionError("invalid head input")
     return array
 
@@ -248,7 +248,7 @@ class Heads:
             if tuple(array.shape) != shape:
                 got, want = list(array.shape), list(shape)
                 raise ValueError(f"heads: {name} has shape {got}, expected {want}")
-            if not np.all(np.isfinite(array)):
+            if not np.isfinite(array).all():
                 raise ValueError(f"heads: {name} is not finite")
             self.w[name] = np.ascontiguousarray(array)
         self.t = {name: torch.from_numpy(array) for name, array in self.w.items()}
@@ -499,7 +499,7 @@ def options_features(
         sizes.append(k)
     lengths = np.array([row.size for row in rows])
     values = np.concatenate(rows)
-    if not np.all(np.isfinite(values)):
+    if not np.isfinite(values).all():
         raise ExecutionError("invalid head input")
     counts = lengths.astype(np.float32)
     valid = counts > 0
@@ -511,7 +511,7 @@ def options_features(
         [log_softmax(masked[end - k : end]) for k, end in zip(sizes, ends, strict=True)]
     )
     first_values = np.array(firsts, dtype=np.float32)
-    if not np.all(np.isfinite(first_values)):
+    if not np.isfinite(first_values).all():
         raise ExecutionError("invalid head input")
     columns = [sums / FEAT_SCALE, mean, counts / FEAT_SCALE, dist, first_values]
     feats = np.stack([*columns, valid.astype(np.float32)], axis=1)

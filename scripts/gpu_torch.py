@@ -724,9 +724,9 @@ def respond_split(executor, workloads: dict, runs: int = 50) -> dict:
 def host_probe_session() -> None:
     """One short call on a warm machine: where the heads' host time goes with real readouts
     (`respond_split`, the heads' cProfile) and the whole requests' cProfile."""
-    from server.app import limit_torch_threads
+    from server.app import worker_process
 
-    limit_torch_threads()
+    worker_process()
     use_cache_dirs()
     report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
     attempt(report, "build", build)
@@ -1636,11 +1636,11 @@ def pack_caches() -> dict:
 def session(final: bool) -> None:
     import torch
 
-    from server.app import limit_torch_threads
+    from server.app import worker_process
 
-    # the heads' host work timed as the worker runs it, its threads capped alike (16 threads
-    # made it erratic in h200-2026-12-02g)
-    limit_torch_threads()
+    # requests timed in a process set up as the worker's (its GIL switch interval since this
+    # round; its PyTorch threads capped alike: 16 made the heads erratic in h200-2026-12-02g)
+    worker_process()
     use_cache_dirs()
     report = {"environment": environment(), "started": time.strftime("%H:%M:%S")}
     attempt(report, "build", build)

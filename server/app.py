@@ -726,13 +726,19 @@ def limit_torch_threads(most: int = TORCH_THREADS) -> int:
     return torch.get_num_threads()
 
 
+def worker_process() -> None:
+    """The worker process's settings: malloc arenas capped, the GIL's switch interval, PyTorch's
+    threads capped; the benchmarks that time a request in process apply them too."""
+    memory.limit_arenas()
+    sys.setswitchinterval(GIL_SWITCH_S)
+    limit_torch_threads()
+
+
 def serve(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM or SIGINT on `sock` (else bind host:port); admitted work finishes
     first, and a clean shutdown exits 0."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    memory.limit_arenas()
-    sys.setswitchinterval(GIL_SWITCH_S)
-    limit_torch_threads()
+    worker_process()
     sock = sock or bind(host, port)
     server = ListeningServer(worker_config(app, host, port), app.state.draining)
     server.run(sockets=[sock])

@@ -665,15 +665,20 @@ def test_the_image_graph_answers_as_the_host_packed_pixels(executor):
         assert all(np.array_equal(x, y) for x, y in zip(a.picked, b.picked, strict=True))
 
 
-def test_heads_on_the_engines_device_give_the_same_answers(engines, executor):
-    """--device-heads (on by default on CUDA): the heads' large products where the engine runs
-    (here the CPU, the same code as on CUDA), the same answers byte for byte as the host's."""
+@pytest.fixture(scope="module")
+def on_device(engines):
+    """The engine with the heads' large products on its device (here the CPU)."""
     from runtime.config import RuntimeConfig
     from runtime.executor import load_engine
 
-    assert executor.heads.device_mlps is None  # off by default on the CPU
     config = RuntimeConfig.from_env(backend="torch", device_heads=True, prefix_cache=0)
-    on_device = load_engine(str(engines[0]), str(engines[1]), config)
+    return load_engine(str(engines[0]), str(engines[1]), config)
+
+
+def test_heads_on_the_engines_device_give_the_same_answers(executor, on_device):
+    """--device-heads (on by default on CUDA): the heads' large products where the engine runs
+    (here the CPU, the same code as on CUDA), the same answers byte for byte as the host's."""
+    assert executor.heads.device_mlps is None  # off by default on the CPU
     assert on_device.heads.device_mlps is not None
     body = request_body(
         pattern_png(320, 224), {**speed_bench_questions(6), **gate_questions()}, "image/png"
@@ -684,19 +689,16 @@ def test_heads_on_the_engines_device_give_the_same_answers(engines, executor):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_mlps_behind_the_passes_give_the_heads_own_answers(engines, early, monkeypatch):
+def test_mlps_behind_the_passes_give_the_heads_own_answers(on_device, early, monkeypatch):
     """The heads' MLPs enqueued behind the passes (`mlps_behind`, on with device heads): every
     question the last passes finish brings its MLP outputs with its readouts, the heads make
     none of them again, and the answers are those of the MLPs run by the heads, byte for byte;
     with early heads too (the questions finished early keep the heads' own trip)."""
-    from runtime.config import RuntimeConfig
-    from runtime.executor import load_engine
     from runtime.heads import DeviceMLPs
 
-    config = RuntimeConfig.from_env(
-        backend="torch", device_heads=True, prefix_cache=0, early_heads=early
-    )
-    executor = load_engine(str(engines[0]), str(engines[1]), config)
+    executor = on_device
+    monkeypatch.setattr(executor, "config", executor.config.with_(early_heads=early))
+    config = executor.config
     assert executor.heads.device_mlps.behind_usable
     questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
     body = request_body(pattern_png(320, 224), questions, "image/png")
@@ -710,6 +712,6 @@ def test_mlps_behind_the_passes_give_the_heads_own_answers(engines, early, monke
     behind = without_latency(executor.answer(body))
     # the heads' own trips are the early questions' only
     assert sum(len(rest) for rest, _ in trips) == late.count(False)
-    executor.config = config.with_(mlps_behind=False)
+    monkeypatch.setattr(executor, "config", config.with_(mlps_behind=False))
     assert not any(r.mlps is not None for r in executor.readouts(prepared))
     assert json.dumps(without_latency(executor.answer(body))) == json.dumps(behind)

@@ -27,11 +27,23 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU seconds instead of wall seconds (one PyTorch thread, no tokenizer threads)",
     )
     parser.add_argument(
+        "--python-defaults",
+        action="store_true",
+        help="Python's own GIL switch interval and threads, not the worker's (server.app)",
+    )
+    parser.add_argument(
+        "--only", action="append", default=None, help="this request only (repeatable)"
+    )
+    parser.add_argument(
         "--device-heads",
         action="store_true",
         help="the heads' large products on the upload device (the worker's default on CUDA)",
     )
     args = parser.parse_args(argv)
+    if not args.python_defaults:  # the stages as the worker's process runs them
+        from server.app import worker_process
+
+        worker_process()
     if args.cpu_time:
         import os
 
@@ -58,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         if not heads.use_device(hoststages.device_for(args.device)):
             print("the device's products fail the heads' check: heads on the CPU", file=sys.stderr)
     requests = bench.host_requests()
+    if args.only:
+        requests = {name: requests[name] for name in args.only}
     results = hoststages.profile(requests, tokenizer, heads, calibration, args.runs, args.device)
     machine = hoststages.machine()
     if args.out:
         record = {"machine": machine, "command": sys.argv, "results": results}
         Path(args.out).write_text(json.dumps(record, indent=1))
     clock = "CPU time" if args.cpu_time else "wall time"
+    clock += f", GIL switch interval {sys.getswitchinterval() * 1e3:g} ms"
     site = "device" if heads is not None and heads.device_mlps is not None else "CPU"
     upload = hoststages.device_for(args.device)
     print(f"host stages, {clock} ({machine}, upload to {upload}, heads' products on the {site})")

@@ -49,10 +49,11 @@ DEVICE_UPLOAD = "upload uint8 + device patches"
 # on the device, on the host for a CPU upload
 HOST_TOTAL_EARLY = "host total, early heads"
 EARLY_HEADS = "early heads and answers, beside the later passes"
-# the executor's default with the heads' MLPs on the device (RuntimeConfig.mlps_behind): as
-# HOST_TOTAL_EARLY, the MLPs of the questions left after the early heads made on the device
-# behind the passes, their outputs coming with the readouts (not host work)
-HOST_TOTAL_BEHIND = "host total, early heads, MLPs behind the passes"
+# the executor's default on CUDA with the torch backend: as HOST_TOTAL_EARLY, the decoded image
+# sent up whole (its resize and patches are the image graph's, in the vision stage), and the
+# MLPs of the questions left after the early heads made on the device behind the passes
+# (RuntimeConfig.mlps_behind), their outputs coming with the readouts (not host work)
+HOST_TOTAL_BEHIND = "host total, the worker's CUDA path (image graph, early heads, MLPs behind)"
 EVERY_RUN = "runs_ms"  # each run's milliseconds by stage and total, in run order (not in the table)
 
 
@@ -119,9 +120,11 @@ def device_for(name: str | None):
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def upload(prepared, work, device) -> None:
+def upload(prepared, work, device, image_graph: bool = False) -> None:
     """The executor's host-to-device copies: pixel values, then each pass's int64 arrays in one
-    copy (`runtime.executor.upload_ints`, where the runtime has it)."""
+    copy (`runtime.executor.upload_ints`, where the runtime has it). `image_graph`: the decoded
+    image goes up whole, as `Executor.vision` sends it to a backend with the image graph (the
+    torch backend's default on CUDA: the resize and the patches are the vision stage's)."""
     import torch
 
     from runtime import executor
@@ -129,7 +132,10 @@ def upload(prepared, work, device) -> None:
     def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype).contiguous()
 
-    if prepared.image.pixel_values is None:  # prepared with pack=False
+    whole = prepared.image.pixel_values is None and prepared.image.resized is None
+    if image_graph and whole:
+        tensors = [executor.to_device(prepared.image.rgb, device, torch.uint8)]
+    elif prepared.image.pixel_values is None:  # prepared with pack=False
         upload_resized(prepared, device)
         tensors = []
     else:
@@ -287,7 +293,7 @@ def total_once(
     else:
         prepared = prepare(request, tokenizer, pack=False, resize=False, **unpacked)
     work = prepared.planned if prepared.planned is not None else plan(prepared)
-    upload(prepared, work, device)
+    upload(prepared, work, device, image_graph=behind)
     between = TIMERS["total"]()
     readouts = synthetic_readouts(prepared, heads.hidden)
     if early is not None:
