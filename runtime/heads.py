@@ -658,24 +658,14 @@ class DeviceMLPs:
         if self.stream is not None:  # the weights were copied on the default stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
         self.lock = threading.Lock()  # the slots' and host buffers' one user at a time
-        self.slots = GraphSlots(
-            device,
-            bind=self.bind,
-            launch=self.launch,
-            size=len(FIRST_LINEAR_ORDER),
-            capture=cuda,
-            stream=self.stream,
+        slots = functools.partial(
+            GraphSlots, device, self.bind, self.launch, len(FIRST_LINEAR_ORDER), cuda
         )
+        self.slots = slots(stream=self.stream)
         self.host: dict[str, torch.Tensor] = {}  # `buffer`'s, pinned on CUDA
         # `behind`'s slots, apart from `apply`'s: its products wait in the passes' stream after
         # the call returns, while `apply` may fill its own buffers on the MLPs' stream
-        self.queued = GraphSlots(
-            device,
-            bind=self.bind,
-            launch=self.launch,
-            size=len(FIRST_LINEAR_ORDER),
-            capture=cuda,
-        )
+        self.queued = slots()
         self.behind_usable = False  # `usable` sets it: `behind` gives `apply`'s bytes
 
     def streamed(self):
