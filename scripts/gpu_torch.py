@@ -18,6 +18,8 @@ time, check and profile through the library (runtime.executor, tools.bench, buil
     python scripts/gpu_torch.py parts [--emulate-casts]   # two-part joint passes: invariance,
                                            # then 1 and 12 questions' GPU stages
     python scripts/gpu_torch.py refanswers FILE     # (run by parity) the reference, without fla
+    python scripts/gpu_torch.py hostprobe  # the heads' host time with real readouts (respond
+                                           # in a loop against whole requests; cProfiles)
     python scripts/gpu_torch.py probe      # the option-row kernel's prefetch; the image graph
                                            # on the tiny checkpoint (a short call, no 4b)
     python scripts/gpu_torch.py attention  # the attention kernel's check alone (exit 1: failed)
