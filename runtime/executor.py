@@ -413,14 +413,14 @@ class Executor:
                 clock.lap("options")
             late = [qi for qi in range(len(prepared.layouts)) if qi not in made]
             behind = self.mlps_behind(prepared, late, [*read_early, *asked, *answered])
-            # every readout copied behind the passes into pinned memory, then one wait
-            outputs = [out for _, out in (*asked, *answered)]
-            event, copies = self.copy_back(outputs, behind.outputs if behind else {})
+            # the MLPs' outputs and every readout copied behind the passes into pinned memory
+            # (copy_back's event follows both), then one wait
+            mlp_copies = self.host_copies(behind.outputs) if behind is not None else {}
+            event, copies = self.copy_back([out for _, out in (*asked, *answered)])
         # waited for without the lock: the next request's image prefix enqueues meanwhile
         if event is not None:
             event.synchronize()
         with torch.inference_mode():
-            *copies, mlp_copies = copies
             arrays = [(hidden.numpy(), logprobs.numpy()) for hidden, logprobs in copies]
             for (qp, _), (hidden, logprobs) in zip(asked, arrays[: len(asked)], strict=True):
                 taken.take_question(qp, hidden, logprobs)
@@ -429,7 +429,7 @@ class Executor:
             clock.lap("readouts")
         collected = taken.collect(prepared, late)
         if behind is not None:
-            behind.hand_out(late, collected, {k: v.numpy() for k, v in mlp_copies.items()})
+            behind.hand_out(late, collected, mlp_copies)
         made.update(zip(late, collected, strict=True))
         return [made[qi] for qi in range(len(prepared.layouts))]
 
@@ -440,11 +440,10 @@ class Executor:
         behind the passes that read them (`DeviceMLPs.behind`): their outputs come back with
         the readouts, in place of a trip of those rows to the host, back to the device and
         back again in the heads. `reads` are the request's (pass, outputs) pairs in the order
-        `HostReadouts` takes them. None where the heads' MLPs are not on this device, where
+        `HostReadouts` takes them. None where the heads' MLPs are not on the device, where
         `behind` did not give `apply`'s bytes at load, or where it is turned off."""
         mlps = self.heads.device_mlps
-        wanted = self.config.on(self.config.mlps_behind, True)
-        if mlps is None or not wanted or not mlps.behind_usable or mlps.device != self.device:
+        if mlps is None or not mlps.behind_usable or self.config.mlps_behind is False:
             return None
         where: dict[tuple, tuple[torch.Tensor, int]] = {}  # readout key -> (hidden, its row)
         for p, out in reads:
@@ -490,23 +489,26 @@ class Executor:
         one_lane = len({self.lane_of(jp) for jp in work.joint}) == 1
         return wanted and one_lane and early_heads_fit(work)
 
-    def copy_back(
-        self, outputs: list[dict[str, torch.Tensor]], extra: dict[str, torch.Tensor] | None = None
-    ) -> tuple:
+    def copy_back(self, outputs: list[dict[str, torch.Tensor]]) -> tuple:
         """Passes' readouts copied into pinned host memory behind them in the stream, and the
-        event that says they are there: (event or None, [(hidden, logprobs) per output]), and
-        with `extra`, those tensors' copies by name after them; in place of a pageable `.cpu()`
-        a tensor, each a wait and a copy at pageable speed."""
+        event that says they are there (and whatever was enqueued before it): (event or None,
+        [(hidden, logprobs) per output]); in place of a pageable `.cpu()` a tensor, each a wait
+        and a copy at pageable speed."""
         pairs = [(o["hidden"].float(), o["logprobs"].float()) for o in outputs]
-        tail = [] if extra is None else [dict(extra)]
         if self.device.type != "cuda":
-            return None, pairs + tail
+            return None, pairs
         copies = [tuple(map(pinned_copy, pair)) for pair in pairs]
-        if extra is not None:
-            copies.append({name: pinned_copy(tensor) for name, tensor in extra.items()})
         event = torch.cuda.Event()
         event.record()
         return event, copies
+
+    def host_copies(self, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Device tensors as host arrays: copies into pinned memory enqueued on the stream, not
+        waited for (the next `copy_back`'s event follows them); the tensors themselves on the
+        CPU."""
+        if self.device.type != "cuda":
+            return {name: tensor.numpy() for name, tensor in tensors.items()}
+        return {name: pinned_copy(tensor).numpy() for name, tensor in tensors.items()}
 
     def early_answers(
         self, prepared: Prepared, work: Plan, landed: list[tuple], taken: HostReadouts

@@ -584,11 +584,9 @@ def questions_mu(
     made = [premade(inputs, readout) for inputs, (_, readout) in zip(wanted, items, strict=True)]
     rest = [{} if outputs else inputs for inputs, outputs in zip(wanted, made, strict=True)]
     with torch.inference_mode(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        if not any(rest):
-            pass
-        elif heads.device_mlps is not None:
+        if any(rest) and heads.device_mlps is not None:
             heads.device_mlps.run(rest, made)
-        else:
+        elif any(rest):
             host_mlps(heads, rest, made)
         if all(wanted):
             try:
