@@ -270,8 +270,28 @@ def summary(manifest: dict) -> list[str]:
     return lines
 
 
+def torch_engine_dir(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str) -> Path:
+    """The torch backend's engine directory without an ONNX export: the manifest naming the
+    checkpoint and dtype (the backend compiles from the checkpoint's weights)."""
+    engine_dir = Path(out_dir)
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "format": FORMAT,
+        "dtype": dtype,
+        "checkpoint": checkpoint_record(Path(checkpoint_dir)),
+    }
+    write_manifest(engine_dir, record)
+    return engine_dir
+
+
 def cli_engines(args) -> int:
-    """`omnijev engines --checkpoint DIR --out DIR [--dtype] [--skip-plans]`."""
+    """`omnijev engines --checkpoint DIR --out DIR [--dtype] [--skip-plans]`, or with
+    `--backend torch` the torch engine alone: no ONNX export, its compiler caches filled."""
+    if getattr(args, "backend", "all") == "torch":
+        torch_engine_dir(args.checkpoint, args.out, args.dtype)
+        record = build_torch_artifacts(args.checkpoint, args.out, args.dtype)
+        print(f"torch caches: {record['files']} files, {record['seconds']} s, {record['versions']}")
+        return 0
     engine_dir = build_engines(
         args.checkpoint,
         args.out,

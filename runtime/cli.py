@@ -70,6 +70,13 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
             "(default: follows --gdn)",
         )
     if name == "engines":
+        parser.add_argument(
+            "--backend",
+            choices=("all", "torch"),
+            default="all",
+            help="all: ONNX, its check and the TensorRT plans; torch: the torch engine alone "
+            "(no ONNX export), its compiler caches filled on this GPU",
+        )
         parser.add_argument("--skip-plans", action="store_true", help="ONNX only")
         parser.add_argument("--timing-cache", default=None, help="replay this timing cache")
         parser.add_argument(
