@@ -32,7 +32,7 @@ from pathlib import Path
 from bench import hoststages, load, traffic
 from bench.latency import latency, latency_table
 from bench.parity import parity, parity_table, without_latency
-from bench.workloads import bench_bodies, host_requests, parity_images, question_sets
+from bench.workloads import bench_bodies, host_requests, parity_images, question_sets, workloads
 from bench.workloads import body as request_body
 
 WORK = Path("/tmp/omnijev")  # checkpoints, engine directories and logs of this machine
@@ -76,10 +76,13 @@ def environment() -> dict:
     """The commit, the command and the machine: what a record needs to be read again."""
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("BENCH_COMMIT")  # a working tree copied without its .git
+    if not commit and shutil.which("git"):
+        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = found.stdout.strip() or None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
-        "commit": commit.stdout.strip() or None,
+        "commit": commit,
         "command": sys.argv,
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "gpu": gpu,
@@ -432,7 +435,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--questions", type=int, default=None, help="serve: questions each")
     parser.add_argument("--seed", type=int, default=0, help="serve: the traffic suite's")
     parser.add_argument("--answers", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.workload or ()) - set(workloads()))
+    if unknown:
+        parser.error(f"unknown workload {unknown[0]!r}; one of {sorted(workloads())}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

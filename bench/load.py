@@ -170,7 +170,7 @@ def table(reports: list[dict]) -> str:
     lines = [
         "| clients | requests | ok | requests/s | p50 ms | p90 ms | p99 ms | max ms | "
         "server prepare ms | queue ms | execute (GPU) ms |",
-        "| ---: |" * 11,
+        "|" + " ---: |" * 11,
     ]
     for r in reports:
         server = r["server_ms_per_request"] or {}
