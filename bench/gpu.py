@@ -36,6 +36,7 @@ from bench.workloads import bench_bodies, host_requests, parity_images, question
 from bench.workloads import body as request_body
 
 WORK = Path("/tmp/omnijev")  # checkpoints, engine directories and logs of this machine
+OUT = "/tmp/omnijev-out"  # the records, unless --out or $OUT
 SEED = 0  # the synthetic checkpoint's
 RUNS = 20  # warm runs a workload
 REFERENCE_RUNS = 10  # the reference's runs a workload
@@ -422,7 +423,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("command", choices=COMMANDS)
     parser.add_argument("--tiny", action="store_true", help="the tiny preset, float32, CPU")
     parser.add_argument("--work", type=Path, default=WORK, help="checkpoints and engines")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", OUT)))
     parser.add_argument("--runs", type=int, default=RUNS, help="latency: warm runs a workload")
     parser.add_argument("--reference", action="store_true", help="latency: the reference too")
     parser.add_argument(
@@ -449,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         m = Machine("4b", "cuda", "bfloat16", args.work, args.out)
     m.work.mkdir(parents=True, exist_ok=True)
-    COMMANDS[args.command](m, args)
-    return 0
+    record = COMMANDS[args.command](m, args)
+    return 1 if isinstance(record, dict) and record.get("load_exit") else 0
 
 
 if __name__ == "__main__":
