@@ -11,10 +11,11 @@ import sys
 import numpy as np
 import pytest
 
+from bench.parity import compare, without_latency
+from bench.workloads import encode, photo_image
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from tests.engine_fixtures import tiny_engines
 from tests.spec import ANSWER_FIELDS
-from tools.bench import compare, encode, photo_image, without_latency
 
 PARITY = 1.0001e-4  # the 1e-4 on answers rounded to four decimals: one unit of the last
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from bench.workloads import choice_with
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from runtime.contract import compile_request
 from runtime.passes import (
@@ -24,7 +25,6 @@ from runtime.passes import (
 from runtime.processing import prepare
 from runtime.strict_json import parse_body
 from runtime.tokenizer import load_tokenizer
-from tools.bench import choice_with
 
 QUESTIONS = {**speed_bench_questions(12), **gate_questions()}
 IMAGE = pattern_png(320, 224)

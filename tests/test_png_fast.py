@@ -163,7 +163,7 @@ def test_pieces_decoded_apart_give_pillows_bytes(mode, threads, monkeypatch):
 
 
 def test_the_bench_still_decodes_in_pieces_as_in_one():
-    from tools import bench
+    from bench import workloads as bench
 
     still = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
     whole = pillow_rgb(still)
@@ -224,7 +224,7 @@ def test_pillow_written_pngs(mode):
 
 
 def test_the_bench_still_and_ancillary_chunks():
-    from tools import bench
+    from bench import workloads as bench
 
     still = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
     assert fast(still) is not None
@@ -360,7 +360,7 @@ def test_the_fast_path_releases_the_gil():
     import threading
     import time
 
-    from tools import bench
+    from bench import workloads as bench
 
     still = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
     images.decode_rgb(still, "image/png")

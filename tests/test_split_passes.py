@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from bench.parity import compare
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from runtime.executor import load_engine, slice_pass
 from runtime.passes import empty_pass, fill_row
 from tests.engine_fixtures import tiny_engines, tiny_std_engines
-from tools.bench import compare
 
 LONG = (
     "Pick the best description of what is visible on this screen, considering every window, "

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from bench.parity import compare, without_latency
+from bench.workloads import choice_with, encode, photo_image
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from tests.engine_fixtures import tiny_engines
-from tools.bench import choice_with, compare, encode, photo_image, without_latency
 
 PARITY = 1.0001e-4  # as tests/test_executor.py: one unit of the answers' fourth decimal
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The 4b synthetic checkpoint on one H200 in one call (about 8 minutes on a fresh machine):
+# the wheels of .gpu-wheels (bench/wheels.sh) installed, the checkpoint and the torch engine
+# directory with its compiler caches built where missing, the bench workloads in process
+# (20 warm runs each), then `omnijev serve` (prefix cache off) under the traffic suite at 1 and
+# 16 closed-loop clients. Every record goes to OUTDIR as JSON, the output to OUTDIR/log.txt.
+#   BENCH_COMMIT=<sha> bash bench/h200.sh OUTDIR
+set -euo pipefail
+out=${1:?usage: bench/h200.sh OUTDIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+if [[ ! -d /tmp/site/fastapi ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
+fi
+if [[ ! -d /tmp/fla/fla ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
+fi
+export FLA_PATH=/tmp/fla PYTHONPATH=/tmp/site:/tmp/fla:$PWD
+step() {
+  echo "[$(date +%T), ${SECONDS} s] bench.gpu $*" | tee -a "$out/log.txt"
+  python3 -u -m bench.gpu "$@" --out "$out" 2>&1 | tee -a "$out/log.txt"
+}
+step build
+step latency --runs 20
+step serve --suite traffic --clients 1,16 --requests 160 --warm-up 32
+echo "[$(date +%T), ${SECONDS} s] done" | tee -a "$out/log.txt"

@@ -1,0 +1,123 @@
+"""The measurement tooling runs: the host stages through the runtime's own preparation, the
+closed-loop load driver against a stub HTTP worker, and `python -m bench.gpu latency --tiny` on
+the CPU end to end."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bench import hostprofile, hoststages, load
+from bench.latency import median_ms
+from bench.workloads import body, encode, pattern_image
+from tests.checkpoint_fixtures import copy_export
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STUB_SECONDS = 0.005  # the stub worker's answer time
+
+
+class Stub(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(STUB_SECONDS)
+        status = 200 if self.headers.get("Content-Type") == "application/json" else 415
+        answer = json.dumps({"ok": True}).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def small_request(questions: dict) -> bytes:
+    return body(encode(pattern_image(96, 64), "PNG"), "image/png", questions)
+
+
+def test_load_driver_sends_every_request_once_and_keeps_each_latency():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/systemone"
+        report = load.run_load(url, [b"{}"] * 40, clients=2)
+    finally:
+        server.shutdown()
+    assert report["statuses"] == {"200": 40} and report["ok"] == 40
+    assert [r["index"] for r in report["records"]] == list(range(40))
+    # two clients, ~5 ms an answer: at most 2 / 5 ms, and closed-loop, so not far below
+    assert 20 < report["requests_per_s"] <= 2 / STUB_SECONDS
+    latency = report["latency_ms"]
+    assert 1e3 * STUB_SECONDS <= latency["p50"] <= latency["p90"] <= latency["p99"]
+    assert latency["p99"] <= latency["max"] == max(r["latency_ms"] for r in report["records"])
+    assert report["server_ms_per_request"] is None  # the stub has no /metrics
+    assert "| 2 | 40 | 40 |" in load.table([report])
+
+
+def test_load_driver_refuses_bad_options_with_a_message(capsys):
+    for argv, message in (
+        (["--questions", "17"], "--questions must be 1 to 16, got 17"),
+        (["--image-size", "big"], "--image-size wants WIDTHxHEIGHT"),
+        (["--suite", "bench", "--questions", "5"], "the bench has 1, 3, 6 or 12 questions"),
+    ):
+        with pytest.raises(SystemExit):
+            load.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_host_profile_times_every_stage_and_keeps_every_run():
+    choice = {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": None}}
+    request = small_request({"q": choice})
+    heads = hoststages.synthetic_heads(hidden=64)
+    row = hoststages.profile({"PNG": request}, runs=3, heads=heads)["PNG"]
+    runs = row[hoststages.EVERY_RUN]
+    assert all(len(runs[stage]) == 3 for stage in (*hoststages.STAGES, hoststages.HOST_TOTAL))
+    median = statistics.median(runs[hoststages.HOST_TOTAL])  # of three runs, rounded to 1 µs
+    assert abs(row[hoststages.HOST_TOTAL] - median) < 1e-3
+    assert 0 < row["prepare"] < row[hoststages.HOST_TOTAL] < 10_000
+    assert "| host total |" in hoststages.table({"PNG": row})
+
+
+def test_host_profile_names_an_unknown_request(capsys):
+    with pytest.raises(SystemExit):
+        hostprofile.main(["--only", "GIF 1 question", "--python-defaults"])
+    assert "unknown request 'GIF 1 question'" in capsys.readouterr().err
+
+
+def test_median_ms_times_runs_after_warm_calls():
+    calls = []
+    assert median_ms(lambda: calls.append(1), runs=5, warm=2) >= 0.0
+    assert len(calls) == 7
+
+
+def test_gpu_latency_runs_on_the_cpu_with_the_tiny_model(export_dir, tmp_path):
+    """`python -m bench.gpu latency --tiny`: the bench workload through the torch backend on the
+    CPU, every run kept, the host stages through the executor's own preparation."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    copy_export(export_dir, work / "tiny-export")
+    command = [sys.executable, "-m", "bench.gpu", "latency", "--tiny", "--runs", "2"]
+    command += ["--workload", "1 question", "--work", str(work), "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| 1 question |" in done.stdout and "| host total |" in done.stdout
+    record = json.loads((out / "latency.json").read_text())
+    [row] = record["rows"]
+    assert row["workload"] == "1 question" and len(row["runs_ms"]) == 2
+    assert row["median_ms"] == pytest.approx(statistics.median(row["runs_ms"]), abs=1e-2)
+    assert set(record["host_stages_ms"]) == {"PNG 1 question", "JPEG 1 question"}
+    assert record["environment"]["command"][1] == "latency"
+    manifest = json.loads((work / "engines-tiny-float32" / "engines.json").read_text())
+    assert manifest["dtype"] == "float32" and "torch" not in manifest  # no caches on the CPU

@@ -1,0 +1,87 @@
+"""The traffic suite (bench.traffic): one stream per seed, the held-out one another, questions of
+every promised kind, and every request answered 200 by the worker over HTTP, the load driver's
+report complete (`python -m bench.load` against uvicorn, the contract and preparation real)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from bench import load, traffic
+from runtime.contract import MAX_ROWS, compile_question
+from tests.server_helpers import RealishEngine, ThreadServer
+
+DRAWS = 300  # question sets drawn for the pool's coverage (no images: quick)
+
+
+def test_a_seed_gives_one_stream_and_the_held_out_seed_another():
+    first = [traffic.request(0, i).body for i in range(3)]
+    assert first == [traffic.request(0, i).body for i in range(3)]
+    held_out = [r.body for r in traffic.stream(0, 3, held_out=True)]
+    other_seed = [r.body for r in traffic.stream(1, 3)]
+    assert not set(first) & set(held_out) and not set(first) & set(other_seed)
+    # every image drawn anew: no two requests share their image, so no prefix cache hits
+    images = [json.loads(b)["state"]["images"][0] for b in first + held_out + other_seed]
+    assert len(set(images)) == len(images)
+
+
+def test_every_block_of_requests_holds_every_image_size():
+    assert len(traffic.SIZES) >= 8 and (3000, 1000) in traffic.SIZES
+    for seed, stream in ((0, "suite"), (5, "held-out")):
+        sizes = [traffic.size_of(seed, stream, i) for i in range(2 * len(traffic.SIZES))]
+        assert sorted(sizes[: len(traffic.SIZES)]) == sorted(traffic.SIZES)
+        assert sorted(sizes[len(traffic.SIZES) :]) == sorted(traffic.SIZES)
+        assert sizes[: len(traffic.SIZES)] != sizes[len(traffic.SIZES) :]  # another order
+
+
+def test_the_question_pool_covers_what_the_suite_promises():
+    assert traffic.TEMPLATES >= 60
+    kinds, choices, levels, regions = set(), [], set(), 0
+    for draw in range(DRAWS):
+        rng = np.random.default_rng([9, draw])
+        count = int(rng.integers(1, traffic.MAX_QUESTIONS + 1))
+        questions = traffic.questions_for(rng, count, (1920, 1080))
+        assert len(questions) == count
+        assert sum(traffic.answer_rows(q) for q in questions.values()) <= MAX_ROWS
+        for qid, question in questions.items():
+            compiled = compile_question(qid, question)  # the contract accepts it
+            kinds.add(question["type"])
+            regions += "region" in json.dumps(question)
+            if question["type"] == "score":
+                levels.add(len(compiled.keys))
+            elif question["type"] == "choice" and "region" not in json.dumps(question):
+                texts = compiled.option_texts
+                choices.append(len(texts))
+                leads = [text.split()[0] for text in texts]
+                assert len(set(leads)) == len(leads), texts  # no two options share a lead
+    assert kinds == {"noul", "choice", "score"} and regions > 0
+    assert levels == set(range(2, 11))
+    assert min(choices) == 2 and max(choices) > 128
+
+
+def test_every_traffic_request_is_answered_over_http(tmp_path):
+    """Ten requests, one of each image size, both formats, through the worker's real contract
+    and preparation: all 200, and the driver's report has every field."""
+    out = tmp_path / "load.json"
+    with ThreadServer(RealishEngine()) as server:
+        argv = ["--url", f"{server.url}/v1/systemone", "--clients", "1,3", "--seed", "0"]
+        argv += ["--requests", str(len(traffic.SIZES)), "--out", str(out)]
+        assert load.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["suite"] == "traffic" and record["seed"] == 0 and not record["held_out"]
+    assert [run["clients"] for run in record["runs"]] == [1, 3]
+    for run in record["runs"]:
+        assert run["ok"] == run["requests"] == len(traffic.SIZES)
+        assert run["requests_per_s"] > 0 and {"p50", "p90", "p99", "max"} <= set(run["latency_ms"])
+        stages = run["server_ms_per_request"]  # from the worker's /metrics
+        assert stages["execute"] == run["gpu_ms_per_request"] and stages["prepare"] > 0
+        assert {tuple(r["size"]) for r in run["records"]} == set(traffic.SIZES)
+        assert all(r["status"] == 200 and r["latency_ms"] > 0 for r in run["records"])
+    assert {r["format"] for r in record["runs"][0]["records"]} == {"PNG", "JPEG"}
+
+
+def test_the_load_driver_sends_bench_requests_too():
+    with ThreadServer(RealishEngine()) as server:
+        argv = ["--url", f"{server.url}/v1/systemone", "--clients", "2", "--requests", "4"]
+        assert load.main([*argv, "--suite", "bench", "--questions", "3"]) == 0
