@@ -2,7 +2,7 @@
 # Packs the wheels the GPU machine lacks into as few carries as possible: onnxruntime-gpu's
 # package tree compressed with xz (204 MB instead of 255 MB of wheel), the small wheels beside,
 # split into 54 MiB chunks under .gpu-pack/1, 2, ... (each carry may hold 64 MiB with the tree).
-#   scripts/gpu_bundle.sh WHEEL_DIR     # a folder from ../shared/device/pack-wheels.sh's downloads
+#   scripts/gpu_bundle.sh WHEEL_DIR     # a folder of downloaded wheels
 # Then one `run` per chunk, carrying .gpu-pack/N:  mkdir -p /tmp/pk && cp .gpu-pack/N/part.* /tmp/pk/
 # and after the last:  bash scripts/gpu_bundle.sh --install
 set -euo pipefail

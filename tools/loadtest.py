@@ -122,7 +122,8 @@ def summary(report: dict) -> str:
 
 
 def bench_body(workload: str) -> bytes:
-    """`omnijev bench`'s request for a workload: the screen still as PNG (contract.md §12.2)."""
+    """`omnijev bench`'s request for a workload: the screen still as PNG (docs/contract.md
+    §12.2)."""
     from tools.bench import BENCH_SIZE, body, encode, screen_image, workloads
 
     loads = workloads()
