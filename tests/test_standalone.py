@@ -20,6 +20,7 @@ SPECS = ("contract", "model", "engines", "anchors", "wire-formats")
 CITATION = re.compile(
     r"docs/(" + "|".join(SPECS) + r")\.md((?:,? ?§\d+(?:\.\d+)*(?:-§?\d+(?:\.\d+)*)?)*)"
 )
+ITEM = re.compile(r"(\d+)\. ")
 SECTION = re.compile(r"§(\d+(?:\.\d+)*)")
 HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
 DOCS_FILE = re.compile(r"(?<![\w/.-])(docs/[\w/.-]+\.md)\b")
@@ -54,8 +55,17 @@ def outside_references(text: str) -> list[int]:
 
 
 def sections_of(doc: str) -> set[str]:
-    """Section numbers of a spec file's headings: `## 2. Request JSON` -> "2"."""
-    return set(HEADING.findall(doc))
+    """Section numbers of a spec file: its headings (`## 2. Request JSON` -> "2") and the
+    numbered items of a top-level section (item 4 under `## 0. Decisive facts` -> "0.4")."""
+    sections, top = set(), None
+    for line in doc.split("\n"):
+        heading = HEADING.match(line + " ")
+        if heading:
+            sections.add(heading[1])
+            top = heading[1] if line.startswith("## ") else None
+        elif top is not None and (item := ITEM.match(line)):
+            sections.add(f"{top}.{item[1]}")
+    return sections
 
 
 def anchors_of(doc: str) -> set[str]:
