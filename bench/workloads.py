@@ -117,7 +117,8 @@ def bench_still() -> bytes:
 
 
 def bench_body(workload: str) -> bytes:
-    """`omnijev bench`'s request for a workload: the screen still as PNG (contract.md §12.2)."""
+    """`omnijev bench`'s request for a workload: the screen still as PNG (docs/contract.md
+    §12.2)."""
     loads = workloads()
     if workload not in loads:
         raise ValueError(f"unknown workload {workload!r}; one of {sorted(loads)}")

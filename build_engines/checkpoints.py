@@ -1,8 +1,9 @@
 """Writes synthetic OmniJev releases (base model + adapter checkpoint) and merges them to exports.
 
-Follows the published release's layout (contract.md §8.1, model.md §7.2-7.3): a Qwen3.5 base as HF
-publishes it and a checkpoint holding a PEFT LoRA, `head.pt`/`ord.pt`, `head_meta.json`, the option
-rows and the tokenizer; `merge.merge_release` then does what the reference's `export.py` does.
+Follows the published release's layout (docs/contract.md §8.1, docs/model.md §7.2-7.3): a Qwen3.5
+base as HF publishes it and a checkpoint holding a PEFT LoRA, `head.pt`/`ord.pt`, `head_meta.json`,
+the option rows and the tokenizer; `merge.merge_release` then does what the reference's `export.py`
+does.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from runtime.export_format import head_shapes, sha256_file
 SHARD_BYTES = {"tiny": 16_000_000, "4b": 5_000_000_000}
 EXPORT_SHARD = {"tiny": "16MB", "4b": "5GB"}  # max_shard_size of the merged language model
 
-# Modules the real adapter covers, inferred from its byte count (model.md §7.3).
+# Modules the real adapter covers, inferred from its byte count (docs/model.md §7.3).
 LORA_TARGETS = (
     "down_proj",
     "gate_proj",
@@ -83,13 +84,13 @@ HEAD_BIAS_STD = 0.1
 FEATURE_STD = 0.01
 LOG_TAU = (math.log(1.25), 0.0, math.log(0.8))  # distinct per type: a wrong type_id shows
 
-# head_meta.json of v1.1 (contract.md §7.1).
+# head_meta.json of v1.1 (docs/contract.md §7.1).
 TEMPERATURES = {"noul": 1.1991, "choice": 1.1199, "score": 1.1909}
 NOUL_BIAS = 0.05310856608843584
 PROCESSOR_MAX_PIXELS = 401408  # the processor config's own budget; MSO1 overrides it (§4.8)
 PROCESSOR_MIN_PIXELS = 65536
 
-# Renders contract.md §4.2: no system prompt is added; a list content renders images as
+# Renders docs/contract.md §4.2: no system prompt is added; a list content renders images as
 # vision markup and texts as is; the whole content is trimmed; the generation prompt opens
 # thinking with `<think>\n` and no `</think>`.
 CHAT_TEMPLATE = """\
@@ -201,7 +202,7 @@ def plan_shards(entries: list, limit: int) -> list[list[tuple[str, tuple[int, ..
 
 
 def shard_name(index: int, count: int) -> str:
-    """The real base's shard names (contract.md §8.1 step 3)."""
+    """The real base's shard names (docs/contract.md §8.1 step 3)."""
     return f"model.safetensors-{index:05d}-of-{count:05d}.safetensors"
 
 

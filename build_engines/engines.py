@@ -1,5 +1,5 @@
 """`omnijev engines`: export → ONNX Runtime check → plan build into one engine directory that the
-runtime loads (docs/design.md; engines.md §2-§4, §8, §11).
+runtime loads (docs/design.md; docs/engines.md §2-§4, §8, §11).
 
 Layout: `onnx_ort/` (fused GDN, standard-op readout: what ONNX Runtime runs), `onnx_trt/`
 (standard-op GDN; the plugin readout where the library can load it), `plans/`, `timing_cache.bin`

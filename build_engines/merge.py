@@ -1,8 +1,8 @@
 """Merges a release (Qwen3.5 base + OmniJev adapter checkpoint) into an `omnijev-merged/1` export.
 
-Follows the reference export (`LF@ebd572b recipe/omnijev/export.py`, contract.md §8.1 steps 1-8):
-checks, BF16 base on CPU, resize to 248,079 rows, option rows, PEFT merge, files, manifest last.
-A release directory holds `base/` (Qwen/Qwen3.5-4B's files) and `checkpoint/` (the adapter's).
+Follows the reference export (`LF@ebd572b recipe/omnijev/export.py`, docs/contract.md §8.1 steps
+1-8): checks, BF16 base on CPU, resize to 248,079 rows, option rows, PEFT merge, files, manifest
+last. A release directory holds `base/` (Qwen/Qwen3.5-4B's files) and `checkpoint/` (the adapter's).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from runtime.export_format import (
     sha256_file,
 )
 
-# Pinned base files of Qwen/Qwen3.5-4B at 851bf6e (contract.md §8.1 step 3).
+# Pinned base files of Qwen/Qwen3.5-4B at 851bf6e (docs/contract.md §8.1 step 3).
 BASE_PINS = {
     "config.json": "ddc63e1c717afa86c865bb5e01313d89d72bb53b97ad4a8a03ba8510c0621670",
     INDEX: "cf3f798ee02ba45f9622aa8892a47369ab667d0afbf154ee7c2212de42e6302d",

@@ -2,7 +2,7 @@
 inputs and outputs of docs/design.md, and `onnx_export.json` describing them.
 
 Uses the dynamo exporter (`torch.onnx.export(dynamo=True, dynamic_shapes=...)`); ir_version is
-capped at 13 for onnxruntime 1.31 (engines.md §0.5, §8).
+capped at 13 for onnxruntime 1.31 (docs/engines.md §0.5, §8).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from runtime.model.weights import load_language_pass, load_vision_tower, read_co
 MANIFEST = "onnx_export.json"
 FORMAT = "omnijev-onnx/1"
 OPSET = GEMM_OPSET  # 18: LayerNormalization and RMSNorm are written out, nothing newer needed
-MAX_IR_VERSION = 13  # the newest onnxruntime 1.31 reads (engines.md §8)
+MAX_IR_VERSION = 13  # the newest onnxruntime 1.31 reads (docs/engines.md §8)
 EXTERNAL_BYTES = 1 << 30  # weights above this go to `<graph>.onnx.data` (protobuf caps at 2 GiB)
 # Example sizes for tracing: distinct and > 1, so no dynamic axis is specialised or unified.
 EXAMPLE = {"B": 5, "T": 7, "N": 6, "P": 9, "Q": 10, "S": 11, "R": 12, "M": 13}

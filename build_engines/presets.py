@@ -1,8 +1,8 @@
 """Model shapes of the synthetic checkpoints: `tiny` for tests and `4b` with Qwen3.5-4B's shapes.
 
-Each preset is the keyword arguments of `transformers.Qwen3_5Config`; the 4b values are model.md
-§2.1 and §6.1, the tiny ones shrink the widths but keep the layer pattern, the vision geometry,
-the real vocabulary and the real special-token ids (model.md §10).
+Each preset is the keyword arguments of `transformers.Qwen3_5Config`; the 4b values are
+docs/model.md §2.1 and §6.1, the tiny ones shrink the widths but keep the layer pattern, the vision
+geometry, the real vocabulary and the real special-token ids (docs/model.md §10).
 """
 
 from __future__ import annotations
@@ -13,21 +13,22 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 PRESETS = ("tiny", "4b")
-BASE_VOCAB = 248320  # Qwen3.5's padded embedding rows (model.md §2.1)
-VOCAB = 248079  # len(tokenizer) after the option tokens; the export resizes to it (model.md §7.1)
+BASE_VOCAB = 248320  # Qwen3.5's padded embedding rows (docs/model.md §2.1)
+# len(tokenizer) after the option tokens; the export resizes to it (docs/model.md §7.1)
+VOCAB = 248079
 LAYER_PATTERN = ["linear_attention"] * 3 + ["full_attention"]  # full attention every 4th layer
 
-# Token ids of model.md §2.1 / contract.md §4.3, identical in both presets.
+# Token ids of docs/model.md §2.1 / docs/contract.md §4.3, identical in both presets.
 TOKEN_IDS = {
     "image_token_id": 248056,
     "video_token_id": 248057,
     "vision_start_token_id": 248053,
     "vision_end_token_id": 248054,
 }
-TEXT_EOS = 248044  # <|endoftext|>: text_config eos and pad (model.md §2.1)
+TEXT_EOS = 248044  # <|endoftext|>: text_config eos and pad (docs/model.md §2.1)
 TOP_EOS = 248046  # <|im_end|>: the top-level eos
 
-# Keys that Qwen3.5's published config.json carries beside the shapes (model.md §2.1).
+# Keys that Qwen3.5's published config.json carries beside the shapes (docs/model.md §2.1).
 TEXT_COMMON = {
     "vocab_size": BASE_VOCAB,
     "hidden_act": "silu",
@@ -49,7 +50,7 @@ VISION_COMMON = {
     "temporal_patch_size": 2,
     "in_channels": 3,
     "hidden_act": "gelu_pytorch_tanh",
-    "num_position_embeddings": 2304,  # a 48×48 learned grid, as the real tower (model.md §6.1)
+    "num_position_embeddings": 2304,  # a 48×48 learned grid, as the real tower (docs/model.md §6.1)
     "deepstack_visual_indexes": [],
 }
 
@@ -134,7 +135,7 @@ def config_kwargs(preset: str) -> dict:
 
 
 def build_config(preset: str) -> Qwen3_5Config:
-    """The preset as a `Qwen3_5Config`, checked against the constraints of model.md §10.2."""
+    """The preset as a `Qwen3_5Config`, checked against the constraints of docs/model.md §10.2."""
     config = Qwen3_5Config(**config_kwargs(preset))
     check_config(config)
     return config

@@ -1,5 +1,5 @@
 """The release layout both the synthetic checkpoints and the merge read: folder and file names,
-the adapter's rank (contract.md §8.1-§8.2).
+the adapter's rank (docs/contract.md §8.1-§8.2).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ RELEASE = "v1.1"
 BASE_DIR = "base"
 CHECKPOINT_DIR = "checkpoint"
 RELEASE_MANIFEST = "release_manifest.json"
-# The files the export checks against the release manifest (contract.md §8.1 step 2).
+# The files the export checks against the release manifest (docs/contract.md §8.1 step 2).
 RELEASE_FILES = (
     "adapter_config.json",
     "adapter_model.safetensors",
@@ -24,7 +24,7 @@ RELEASE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-LORA_RANK = 32  # contract.md §8.2
+LORA_RANK = 32  # docs/contract.md §8.2
 LORA_ALPHA = 64
 
 

@@ -1,6 +1,6 @@
 """TensorRT plans from an engine directory's ONNX files, and the plan manifest that checks them.
 
-Follows the TensorRT Python API (engines.md §2-§4) and its TensorRT-RTX variant (§11): library
+Follows the TensorRT Python API (docs/engines.md §2-§4) and its TensorRT-RTX variant (§11): library
 selection (`tensorrt`, else TensorRT-RTX), strongly typed networks parsed with external data,
 optimization profiles over the contract's limits, a timing cache pinned by its SHA-256.
 
@@ -41,15 +41,15 @@ from runtime.manifest import (
 # RTX as `tensorrt_rtx_bindings`; the `tensorrt-rtx` meta package adds `tensorrt_rtx`.
 CPU_AOT = "cpu-aot"  # RTX builds ahead of time on the CPU; kernels are compiled at load (§11)
 OPTIMIZATION_LEVEL = 3  # the builder's default, pinned: the level decides which tactics are tried
-# RTX's default build targets (engines.md §11), set explicitly so the manifest states them; the
+# RTX's default build targets (docs/engines.md §11), set explicitly so the manifest states them; the
 # runtime refuses any other compute capability, 9.0 (H100/H200) included (§0.3).
 RTX_TARGETS = ("SM80", "SM86", "SM89", "SM120")
 
-# Limits the profiles cover (docs/design.md passes; contract.md §2.7, §4.8).
+# Limits the profiles cover (docs/design.md passes; docs/contract.md §2.7, §4.8).
 MAX_ROWS = 64  # rows per pass: runtime.passes.OPTION_BATCH
 MAX_PASS_TOKENS = 64  # tokens per pass of the standard-op GDN graph: modules.STD_MAX_TOKENS
 MAX_SEQUENCE = 8192  # tokens of one question's sequence (MAX_SEQUENCE): bounds any past
-MAX_PATCHES = 2352  # max_patches = 602,112 pixels / 16² (contract.md §4.8)
+MAX_PATCHES = 2352  # max_patches = 602,112 pixels / 16² (docs/contract.md §4.8)
 MAX_IMAGE_TOKENS = MAX_PATCHES // 4  # merged vision rows after the 2×2 spatial merge
 MAX_READS = MAX_ROWS * MAX_PASS_TOKENS  # read_rows and targets are flat indices into B·T
 
@@ -102,8 +102,8 @@ def trt_readout(trt: ModuleType | None) -> tuple[str, str]:
         return "std", "no tensorrt library importable"
     if is_rtx(trt):
         return "std", (
-            "tensorrt_rtx has no add_plugin_v3 and aborts on Python plugins (engines.md §0.4); "
-            "the plugin library needs full TensorRT headers"
+            "tensorrt_rtx has no add_plugin_v3 and aborts on Python plugins "
+            "(docs/engines.md §0.4); the plugin library needs full TensorRT headers"
         )
     if plugin_library(RuntimeConfig.from_env().plugin_library) is None:
         return "std", f"plugin library not built ({PLUGIN_DEFAULT} or ${PLUGIN_ENV})"
@@ -278,7 +278,7 @@ def build_plan(
         raise RuntimeError(f"{graph}: tensorrt build failed")
     cache_after = bytes(cache.serialize()) if cache is not None else cache_data
     if replay and cache_after != cache_data:
-        # TensorRT 11.0 let some misses through ERROR_ON_TIMING_CACHE_MISS (engines.md §3)
+        # TensorRT 11.0 let some misses through ERROR_ON_TIMING_CACHE_MISS (docs/engines.md §3)
         raise RuntimeError(f"{graph}: timing cache missed (the build changed the pinned cache)")
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan_path.write_bytes(bytes(serialized))
@@ -382,7 +382,7 @@ def build_plans(
             "mode": "replay" if replay else "record",
             "applies": not is_rtx(trt),
             "note": "tensorrt_rtx ignores timing caches: no tactic timing at its ahead-of-time "
-            "build; kernels are chosen when the plan is loaded (engines.md §3, §11)"
+            "build; kernels are chosen when the plan is loaded (docs/engines.md §3, §11)"
             if is_rtx(trt)
             else "later builds load it with ERROR_ON_TIMING_CACHE_MISS",
         },

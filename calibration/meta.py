@@ -1,7 +1,7 @@
 """Calibration sources and checks: a checkpoint's head_meta.json, the export manifest's block, ECE.
 
-`head_meta` follows the reference's `MSO1.__init__` (contract.md §7.1); the manifest block is
-contract.md §8.2-8.3; `expected_calibration_error` is the usual equal-width-bin ECE.
+`head_meta` follows the reference's `MSO1.__init__` (docs/contract.md §7.1); the manifest block is
+docs/contract.md §8.2-8.3; `expected_calibration_error` is the usual equal-width-bin ECE.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The log-probability readout (contract.md §5): one `omnijev::TokenLogProbs` node for TensorRT,
-its standard-op expansion for ONNX Runtime, and a numpy reference of the arithmetic.
+"""The log-probability readout (docs/contract.md §5): one `omnijev::TokenLogProbs` node for
+TensorRT, its standard-op expansion for ONNX Runtime, and a numpy reference of the arithmetic.
 
 log p(token) = logit[token] − max − log Σ exp(logit − max), logits = hidden × embeddingᵀ in the
 model's dtype, upcast to float32, the sum of exponentials in float64, the result float32.

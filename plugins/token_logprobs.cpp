@@ -1,4 +1,4 @@
-// The TokenLogProbs IPluginV3 and its creator (TensorRT 10 plugin interfaces, engines.md §5);
+// The TokenLogProbs IPluginV3 and its creator (TensorRT 10 plugin interfaces, docs/engines.md §5);
 // the arithmetic lives in token_logprobs_kernel.cu.
 #include "token_logprobs.h"
 

@@ -1,6 +1,6 @@
 // TokenLogProbs: the readout node omnijev::TokenLogProbs(hidden_rows [M, D], embedding [V, D],
 // tokens [M]) -> float32 [M] as a TensorRT IPluginV3 (IPluginV3OneCore/Build/Runtime), following
-// the plugin interfaces of TensorRT 10 (engines.md §5) and the arithmetic of contract.md §5.
+// the plugin interfaces of TensorRT 10 (docs/engines.md §5) and the arithmetic of docs/contract.md §5.
 #pragma once
 
 #include <NvInferRuntime.h>
@@ -94,7 +94,7 @@ private:
 } // namespace omnijev
 
 // Entry points TensorRT looks up in a plugin library (IPluginRegistry::loadLibrary, trtexec
-// --dynamicPlugins); getPluginCreators is deprecated (engines.md §5.4).
+// --dynamicPlugins); getPluginCreators is deprecated (docs/engines.md §5.4).
 extern "C"
 {
     void setLoggerFinder(nvinfer1::ILoggerFinder* finder);

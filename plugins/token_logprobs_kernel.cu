@@ -1,4 +1,4 @@
-// CUDA kernel of omnijev::TokenLogProbs (contract.md §5 arithmetic; plugins/readout.py reference).
+// CUDA kernel of omnijev::TokenLogProbs (docs/contract.md §5 arithmetic; plugins/readout.py reference).
 // Self-contained (no TensorRT headers) so that it also builds alone for the GPU check.
 //
 // A block reads kRows hidden rows; warp w owns the vocabulary entries v with v % kWarps == w and

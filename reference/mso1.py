@@ -1,7 +1,7 @@
 """The PyTorch reference: answers a request exactly as the released `MSO1.ask_branch` does.
 
 Follows `OJ@5da4b5c mso/infer.py` `ask_branch` and `OJ mso/branch.py` (`rows_from_ids`,
-`expand_cache`, `branch_forward`) as model.md §8.4 describes them, on transformers'
+`expand_cache`, `branch_forward`) as docs/model.md §8.4 describes them, on transformers'
 `Qwen3_5ForConditionalGeneration`: the shared prefix once, then every (question, option) row in
 batched chunks continuing a copy of the prefix cache.
 """
@@ -30,17 +30,17 @@ from runtime.errors import BodyError, ContractError, ExecutionError
 from runtime.types import Prepared, PreparedImage, QuestionReadout, Row
 
 PAD_ID = 248044  # <|endoftext|>, the tokenizer's pad token, which MSO1 pads rows with (§2.1)
-CHUNK_ENV = "MSO_BRANCH_CHUNK"  # rows per branch forward; MSO1's default is 64 (model.md §8.4)
+CHUNK_ENV = "MSO_BRANCH_CHUNK"  # rows per branch forward; MSO1's default is 64 (docs/model.md §8.4)
 DEFAULT_CHUNK = 64
 LOGIT_ROWS = 64  # hidden rows per lm_head call: bounds the float32 [rows, 248079] logits block
-MIN_TRANSFORMERS = (5, 7)  # correct Gated DeltaNet continuation from a cache (model.md §9.1)
+MIN_TRANSFORMERS = (5, 7)  # correct Gated DeltaNet continuation from a cache (docs/model.md §9.1)
 REFUSED_EXIT = 1  # a 400 or 422 refusal (the exit codes of `omnijev explain`)
 UNREADABLE_EXIT = 2  # the request file or the export could not be used
 MARKER_ERROR = "every option needs one opening and one closing marker, in order"  # §2.7
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout: the common prefix and the rows (contract.md §4.5), from the single-question sequences
+# Layout: the common prefix and the rows (docs/contract.md §4.5), from the single-question sequences
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class BranchLayout:
 
     @property
     def input_tokens(self) -> int:
-        """`MSO1.last_input_tokens`: the prefix once plus every row (contract.md §3)."""
+        """`MSO1.last_input_tokens`: the prefix once plus every row (docs/contract.md §3)."""
         return self.prefix_length + sum(len(row.tokens) for rows in self.rows for row in rows)
 
 
@@ -168,7 +168,7 @@ def branch_chunk() -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Readouts (contract.md §5, model.md §8.4 step 4)
+# Readouts (docs/contract.md §5, docs/model.md §8.4 step 4)
 
 
 @dataclass
@@ -203,7 +203,7 @@ def read_rows(
     """Readouts of rows from their final-norm hidden states (`hidden[i]`: [≥ len(row i), D]).
 
     Each option-text token is read at the position before it; the first one also at `zq`, as if
-    the `<|opt|>` marker were absent. Score rows read no log-probabilities (contract.md §5).
+    the `<|opt|>` marker were absent. Score rows read no log-probabilities (docs/contract.md §5).
     """
     reads = []  # (row, position, token, is the first-token read)
     for index, (row, wanted) in enumerate(zip(rows, with_logprobs, strict=True)):
@@ -309,7 +309,7 @@ class Reference:
     # -- request to response ------------------------------------------------------------------
 
     def answer(self, body: bytes) -> dict:
-        """Parse, check, prepare, run and finish one request (contract.md §3)."""
+        """Parse, check, prepare, run and finish one request (docs/contract.md §3)."""
         from runtime.contract import compile_request
         from runtime.finish import answer_question
         from runtime.processing import prepare
@@ -415,7 +415,7 @@ class Reference:
             output_hidden_states=True,
             logits_to_keep=1,
         )
-        return out.hidden_states[-1]  # the final-norm output (model.md §8.4)
+        return out.hidden_states[-1]  # the final-norm output (docs/model.md §8.4)
 
     def _branch_readouts(self, prepared: Prepared, layout: BranchLayout) -> list[QuestionReadout]:
         prefix = prepared.layouts[0].token_ids[: layout.prefix_length]
@@ -449,8 +449,8 @@ class Reference:
     def _plain_hidden(
         self, prefix: Sequence[int], row: Row, image: dict, features: torch.Tensor
     ) -> torch.Tensor:
-        """Prefix + row as one sequence without a cache (the eager worker's pass, contract.md §5),
-        returning the row's final-norm hidden states. The vision rows are computed once per
+        """Prefix + row as one sequence without a cache (the eager worker's pass, docs/contract.md
+        §5), returning the row's final-norm hidden states. The vision rows are computed once per
         request and scattered into the embeddings exactly as the model's own forward does."""
         ids = torch.tensor([list(prefix) + list(row.tokens)], device=self.device)
         embeds = self.model.get_input_embeddings()(ids)

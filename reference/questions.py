@@ -1,5 +1,5 @@
-"""Request builders for the two published question sets (contract.md §10.1, §10.2) and the
-pattern image of the pixel fixtures (contract.md §9.2), shared by the reference's tests and the
+"""Request builders for the two published question sets (docs/contract.md §10.1, §10.2) and the
+pattern image of the pixel fixtures (docs/contract.md §9.2), shared by the reference's tests and the
 runtime's benchmarks."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from PIL import Image
 
 from runtime.constants import MODEL_ID
 
-# contract.md §10.1, exactly as `LF@984cf53 processing.json` case `mixed_speed_bench` writes them
-# (text options carry their text as the key; "+ abstain" is a trailing {"abstain": true}).
+# docs/contract.md §10.1, exactly as `LF@984cf53 processing.json` case `mixed_speed_bench` writes
+# them (text options carry their text as the key; "+ abstain" is a trailing {"abstain": true}).
 _SPEED_BENCH = (
     ("q0", "choice", "Which operation comes next?", ("click", "type text", "scroll", "wait")),
     ("q1", "noul", "This screen shows an error dialog.", None),
@@ -40,7 +40,7 @@ _SPEED_BENCH = (
     ("q11", "choice", "Which colour dominates?", ("white", "black", "blue", "green", "red")),
 )
 
-# contract.md §10.2 (`S1@1df4c2d recipe/omnijev/gate_questions.json`)
+# docs/contract.md §10.2 (`S1@1df4c2d recipe/omnijev/gate_questions.json`)
 _LONG_START = "open the settings menu at the top of the screen and then select the {} item"
 _CHOICE32 = (
     "game",
@@ -96,7 +96,7 @@ def _text_options(texts: tuple[str, ...]) -> list[dict]:
 
 
 def _region_options() -> list[dict]:
-    """q6: keys r0..r3 with boxes [200i, 100, 200i+180, 300] (contract.md §10.1)."""
+    """q6: keys r0..r3 with boxes [200i, 100, 200i+180, 300] (docs/contract.md §10.1)."""
     boxes = [
         {"key": f"r{i}", "region": {"box": [200 * i, 100, 200 * i + 180, 300]}} for i in range(4)
     ]
@@ -170,7 +170,7 @@ def gate_questions() -> dict[str, dict]:
 
 def pattern_png(width: int, height: int) -> bytes:
     """The pixel fixtures' pattern as an RGB PNG: R = (7x + 3y) mod 256, G = (x·y + 13) mod 256,
-    B = ((x xor y)·5) mod 256 (contract.md §9.2)."""
+    B = ((x xor y)·5) mod 256 (docs/contract.md §9.2)."""
     y, x = np.mgrid[0:height, 0:width].astype(np.int64)
     rgb = np.stack([(7 * x + 3 * y) % 256, (x * y + 13) % 256, ((x ^ y) * 5) % 256], axis=-1)
     buffer = io.BytesIO()
@@ -179,7 +179,7 @@ def pattern_png(width: int, height: int) -> bytes:
 
 
 def data_url(image: bytes, mime: str = "image/png") -> str:
-    """An inline image as the contract accepts it (contract.md §2.3)."""
+    """An inline image as the contract accepts it (docs/contract.md §2.3)."""
     return f"data:{mime};base64,{base64.b64encode(image).decode('ascii')}"
 
 

@@ -1,6 +1,6 @@
 """The export as transformers' `Qwen3_5ForConditionalGeneration`: the reference's model.
 
-Follows the reference's `load_model` on an `omnijev-merged/1` export (contract.md §8.3).
+Follows the reference's `load_model` on an `omnijev-merged/1` export (docs/contract.md §8.3).
 """
 
 from __future__ import annotations

@@ -1,20 +1,21 @@
 """Names and numbers the whole project shares: the model id, special token ids, graph names and
-the dtype table. Everything else reads them from here (contract.md §2.2, §4.3; engines.md §1).
+the dtype table. Everything else reads them from here (docs/contract.md §2.2, §4.3; docs/engines.md
+§1).
 """
 
 from __future__ import annotations
 
 import torch
 
-MODEL_ID = "tinnel123/OmniJev"  # contract.md §2.2: every response names this model
-IMAGE_PAD_ID = 248056  # <|image_pad|>, config.json image_token_id (contract.md §4.3)
+MODEL_ID = "tinnel123/OmniJev"  # docs/contract.md §2.2: every response names this model
+IMAGE_PAD_ID = 248056  # <|image_pad|>, config.json image_token_id (docs/contract.md §4.3)
 VISION_START_ID = 248053  # <|vision_start|>
 VISION_END_ID = 248054  # <|vision_end|>: the image prefix ends with it
 OPEN_ID = 248077  # <|opt|>, added by OmniJev
 CLOSE_ID = 248078  # <|/opt|>
 OPTION_TOKENS = {"<|opt|>": OPEN_ID, "<|/opt|>": CLOSE_ID}
 SPECIAL_IDS = {"<|image_pad|>": IMAGE_PAD_ID, **OPTION_TOKENS}  # the tokenizer's checked ids
-VOCABULARY = 248079  # len(tokenizer) with <|opt|>, <|/opt|> (contract.md §4.3)
+VOCABULARY = 248079  # len(tokenizer) with <|opt|>, <|/opt|> (docs/contract.md §4.3)
 
 # The engine graphs (docs/design.md): the vision tower, a language-model pass that returns its
 # states, and the readout-only pass (option rows are leaves).

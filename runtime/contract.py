@@ -1,4 +1,5 @@
-"""The request contract (contract.md §2.2-2.6): a parsed body becomes a `Request` or a 422 refusal.
+"""The request contract (docs/contract.md §2.2-2.6): a parsed body becomes a `Request` or a 422
+refusal.
 
 Follows the native worker's `contract::compile` (`S1@1df4c2d src/models/omnijev/native/src/
 contract.rs`) check by check and in its order, with answer keys and option texts as the

@@ -1,4 +1,4 @@
-"""Errors that map to the worker's statuses (contract.md §1.5): 400, 422 and 500."""
+"""Errors that map to the worker's statuses (docs/contract.md §1.5): 400, 422 and 500."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Answers prepared requests through the engines: vision once, the image prefix once, each
 question's text once, every option once, then readouts, heads and finishing.
 
-Follows the native worker's prefix-reuse executor (model.md §12.1) and `MSO1._finish`; the pass
+Follows the native worker's prefix-reuse executor (docs/model.md §12.1) and `MSO1._finish`; the pass
 layout is planned by `runtime.passes` so that an answer never depends on the other questions.
 """
 
@@ -55,8 +55,8 @@ from runtime.types import (
 )
 
 # An image prefix kept across requests (RuntimeConfig.prefix_cache entries) is ~50 MiB of Gated
-# DeltaNet state plus 32 KiB of K/V per prefix token on the 4b (model.md §11).
-WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (contract.md §1.2)
+# DeltaNet state plus 32 KiB of K/V per prefix token on the 4b (docs/model.md §11).
+WARM_UP_SIZE = (96, 64)  # the worker's warm-up image (docs/contract.md §1.2)
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
 # device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
 VISION_TABLES = 8
@@ -1140,7 +1140,7 @@ def warm_up_image() -> str:
 
 
 def warm_up_request() -> dict:
-    """The request the worker runs before it reports ready (contract.md §1.2)."""
+    """The request the worker runs before it reports ready (docs/contract.md §1.2)."""
     return {
         "model": MODEL_ID,
         "state": {"images": [warm_up_image()]},

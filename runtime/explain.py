@@ -1,7 +1,7 @@
 """`omnijev explain`: shows what preparation makes of a request, without running the model.
 
-Writes the field names of the reference fixture `processing.json` (contract.md §9.1), so that its
-output can be compared with the reference's own preparation value for value.
+Writes the field names of the reference fixture `processing.json` (docs/contract.md §9.1), so that
+its output can be compared with the reference's own preparation value for value.
 """
 
 from __future__ import annotations

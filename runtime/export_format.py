@@ -1,8 +1,8 @@
 """Reads an `omnijev-merged/1` export directory with every check of the worker's `export::load`.
 
-Follows contract.md §8.2-8.3 (`S1@fc27b75 .../export.rs`): the manifest, the listed files and their
-SHA-256, the shard index, the vocabulary, the calibration and the tokenizer ids; then loads the
-weights into plain state dicts (the reference builds transformers' model from them).
+Follows docs/contract.md §8.2-8.3 (`S1@fc27b75 .../export.rs`): the manifest, the listed files and
+their SHA-256, the shard index, the vocabulary, the calibration and the tokenizer ids; then loads
+the weights into plain state dicts (the reference builds transformers' model from them).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ INDEX = "model.safetensors.index.json"
 VISION = "vision.safetensors"
 HEADS = "heads.safetensors"
 TOKENIZERS_KEPT = 2  # checked tokenizers kept by file (a Qwen tokenizer is tens of MB)
-HASH_BLOCK = 4 * 1024 * 1024  # the worker hashes in 4 MiB blocks (contract.md §8.3)
+HASH_BLOCK = 4 * 1024 * 1024  # the worker hashes in 4 MiB blocks (docs/contract.md §8.3)
 # files hashed at once: hashlib lets go of the GIL while it hashes a block, so the shards hash
 # side by side (the 4b export's check took 9.3 s of a 14 s load on the H200's host one file
 # at a time; docs/measurements/h200-2026-12-02c)
 HASH_THREADS = 8
 
-# Identity of the published release (contract.md §0.2, §8.2); pinned only for a real export.
+# Identity of the published release (docs/contract.md §0.2, §8.2); pinned only for a real export.
 REAL_IDENTITY = {
     "model_id": MODEL_ID,
     "checkpoint_revision": "ffe5f436eaf22e20e2f041f8e74e121fd057a6cb",
@@ -42,9 +42,9 @@ REAL_IDENTITY = {
     "base_revision": "851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a",
 }
 IDENTITY_CHECKED = ("model_id", "checkpoint_revision", "base_revision")  # the worker's list
-MAX_PIXELS = 602112  # 768·28·28, MSO1's budget (contract.md §4.8)
+MAX_PIXELS = 602112  # 768·28·28, MSO1's budget (docs/contract.md §4.8)
 HEADS_META = {"norm": "softmax", "lm_features": True, "ordinal": True}
-LORA = {"rank": 32, "alpha": 64, "merged": "bfloat16"}  # contract.md §8.2
+LORA = {"rank": 32, "alpha": 64, "merged": "bfloat16"}  # docs/contract.md §8.2
 # Values every export must carry, synthetic or real: the runtime depends on them.
 PINNED = {
     "format": FORMAT,
@@ -58,7 +58,7 @@ TEMPERATURE_KEYS = ("noul", "choice", "score")
 TOKENIZER_IDS = SPECIAL_IDS  # the processor's check
 IMAGE_TOKEN_ID = IMAGE_PAD_ID  # the executor's check of config.json
 REAL_HIDDEN = 2560  # the executor's check; synthetic exports may be narrower
-# Accepted names of the language model's tensors (contract.md §8.3), longest prefix first.
+# Accepted names of the language model's tensors (docs/contract.md §8.3), longest prefix first.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
 IGNORED_LANGUAGE = ("lm_head.", "mtp.")  # tied output projection; multi-token prediction
 
@@ -242,7 +242,7 @@ def _finite_number(value: object) -> bool:
 
 
 def check_calibration(value: object) -> Calibration:
-    """Exactly three positive finite temperatures and a finite Noul bias (contract.md §7.7)."""
+    """Exactly three positive finite temperatures and a finite Noul bias (docs/contract.md §7.7)."""
     if not isinstance(value, dict):
         raise ExportError("export calibration is not an object")
     temperatures = value.get("temperatures")
@@ -292,7 +292,7 @@ def _checked_tokenizer(path: str, size: int, mtime_ns: int, inode: int) -> tuple
 
 
 def load_export(path: str | Path, verify: bool = True) -> ExportInfo:
-    """Checks an export directory (contract.md §8.3); `verify=False` skips only the hashing."""
+    """Checks an export directory (docs/contract.md §8.3); `verify=False` skips only the hashing."""
     root = Path(path)
     if not root.is_dir():
         raise ExportError(f"export directory {root} does not exist")
@@ -375,7 +375,7 @@ def check_heads(state: dict[str, torch.Tensor], hidden: int) -> None:
 
 
 def load_heads_state(info: ExportInfo) -> dict[str, torch.Tensor]:
-    """Head tensors `head.*` and `ord.*`, float32 (contract.md §6.1), checked."""
+    """Head tensors `head.*` and `ord.*`, float32 (docs/contract.md §6.1), checked."""
     state = read_safetensors(info.heads_path, None)
     check_heads(state, info.hidden_size)
     return state

@@ -1,4 +1,4 @@
-"""Calibration and finishing: one question's mu → its answer dict (contract.md §3, §7).
+"""Calibration and finishing: one question's mu → its answer dict (docs/contract.md §3, §7).
 
 Follows the reference's `MSO1._finish` and `_scale` and `choice_outputs` / `jev_confidence`,
 reproducing their float32 tensor steps, Python 3.10 float sums and `round(x, 4)` bit for bit.

@@ -1,5 +1,5 @@
 """Decision heads and LM features in float32: NumPy, with the linear layers and erf on PyTorch
-(contract.md §6).
+(docs/contract.md §6).
 
 Follows the reference's `OptionScorer` (Choice, Noul), `OrdinalScoreHead` (Score) and the six
 LM features of `lm_option_feats` / `branch.py`; weights come from the export's `heads.safetensors`.
@@ -74,13 +74,14 @@ STACK_CHECK_ROWS = 320
 STACK_CHECK_SIZES = (4, 5, 7, 8, 13, 16, 33, 64, 255)
 STACK_CHECK_OFFSETS = (0, 5, 37)
 # On a CUDA device the four MLPs above run as products of exactly this many rows (zero rows fill
-# the last), the worker's FIXED_GEMM_M (contract.md §5): one kernel for any number of questions,
-# so a row's bytes follow only its own inputs; `DeviceMLPs.usable` checks that at load. On the
-# 2-core CI machine the MLPs were 5.4 of the heads' 7.0 ms for 12 questions, 13 of 14.5 ms for
-# 255 options (synthetic 4b-sized heads, tools.hostprofile); on the H200 12 questions' heads took
+# the last), the worker's FIXED_GEMM_M (docs/contract.md §5): one kernel for any number of
+# questions, so a row's bytes follow only its own inputs; `DeviceMLPs.usable` checks that at load.
+# On the 2-core CI machine the MLPs were 5.4 of the heads' 7.0 ms for 12 questions, 13 of 14.5 ms
+# for 255 options (synthetic 4b-sized heads, tools.hostprofile); on the H200 12 questions' heads
+# took
 # 3.9 ms with them on the GPU against 6.9 (the same answer bytes; h200-2026-12-02).
 DEVICE_ROWS = 64
-DEVICE_TOLERANCE = 1e-5  # heads' tolerance against the reference (contract.md §9.3): the check
+DEVICE_TOLERANCE = 1e-5  # heads' tolerance against the reference (docs/contract.md §9.3): the check
 
 
 def option_width(hidden: int) -> int:

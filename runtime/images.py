@@ -1,4 +1,4 @@
-"""Image data URLs, decoding and preprocessing (contract.md §2.3, §4.7-4.8), bit-exact with the
+"""Image data URLs, decoding and preprocessing (docs/contract.md §2.3, §4.7-4.8), bit-exact with the
 reference's `Image.open(...).convert("RGB")` and its Qwen2-VL image processor under MSO1's budget.
 
 A PNG's chunks are walked and bounded before Pillow reads them, and a request's image is opened

@@ -1,5 +1,5 @@
 """The engine directory's manifest (`engines.json`): its names, the TensorRT library it was built
-with, and the check of every recorded file's SHA-256 (engines.md §4); what a backend reads
+with, and the check of every recorded file's SHA-256 (docs/engines.md §4); what a backend reads
 before it loads anything, written by `build_engines.engines` and `build_engines.trt_build`.
 `verify_engine_dir` is the start-up check of a whole directory (issue 14), as
 `runtime.export_format.load_export` is of a checkpoint.

@@ -1,6 +1,6 @@
 """Plans the language-model passes of a prepared request: image prefix, question texts, options.
 
-Follows the prefix-reuse executor of the native worker (model.md §12.1) with one change: the
+Follows the prefix-reuse executor of the native worker (docs/model.md §12.1) with one change: the
 splits are fixed points of each question's own sequence, never the reference's cross-question
 prefix `L`, and every pass has a fixed row count per length bucket (and, for options, per family
 of the question's own option count), so the shape a question runs in, and its rows' contents,
@@ -31,7 +31,7 @@ OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-
 # follow the batch shape; docs/measurements/h200-2026-11-30b). RuntimeConfig.question_batch is
 # the question passes' row count (QUESTION_ROWS where the caller has none).
 QUESTION_ROWS = QUESTION_BATCH  # RuntimeConfig's default: the 12 speed-bench questions in one
-OPTION_ROWS = 64  # the reference's option chunk (model.md §8.4): 255 options in 4 passes
+OPTION_ROWS = 64  # the reference's option chunk (docs/model.md §8.4): 255 options in 4 passes
 # Longer buckets get fewer rows, so that one long question or option does not pay for a full
 # pass of its length (H200, 4b BF16: a 64 × 8 option pass took 18 ms, and one 18-token option
 # of the 12 speed-bench questions cost a 64 × 24 pass of 35 ms); still a function of the bucket.
@@ -290,7 +290,7 @@ def question_span(
 def option_span(layout: QuestionLayout, k: int, shared: int = 0) -> tuple[list[int], np.ndarray]:
     """Option k's block <|opt|> … <|/opt|> (after its `shared` leading tokens), at the
     positions it has as the question's only option (the reference branches each row straight
-    after the question, model.md §8.4)."""
+    after the question, docs/model.md §8.4)."""
     ids = list(layout.token_ids[layout.opens[k] + shared : layout.closes[k] + 1])
     base = int(layout.positions[0, layout.opens[0]]) + shared
     return ids, np.broadcast_to(base + np.arange(len(ids)), (3, len(ids))).astype(np.int64)

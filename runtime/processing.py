@@ -1,8 +1,9 @@
 """Prepares a compiled request: prompts, token ids, the row layout and M-RoPE positions.
 
 Follows the reference's `MSO1._prompt`, `_encode_many`, `rows_from_ids`/`_marks` and transformers'
-`get_rope_index` (contract.md §4.2-4.6), with the worker's preparation limits (§2.7). The prompt
-template's ids are made once per tokenizer, and the image decodes on its own thread meanwhile.
+`get_rope_index` (docs/contract.md §4.2-4.6), with the worker's preparation limits (§2.7). The
+prompt template's ids are made once per tokenizer, and the image decodes on its own thread
+meanwhile.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # runtime.images loads on the first decode, not with this mod
 
 IMAGE_PAD = "<|image_pad|>"
 # The chat template's rendering of one user message [image, instructions] with the generation
-# prompt and thinking on (no system prompt, no </think>), contract.md §4.2.
+# prompt and thinking on (no system prompt, no </think>), docs/contract.md §4.2.
 PROMPT_HEAD = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT_TAIL = "<|im_end|>\n<|im_start|>assistant\n<think>\n"
 MAX_SEQUENCE = 8192  # tokens of one question's single-question sequence (processing.rs)
@@ -109,7 +110,7 @@ def encode_each(tokenizer: Tokenizer, texts: Sequence[str]) -> list:
 
 @dataclass(frozen=True)
 class Template:
-    """The ids of the prompt's fixed pieces (contract.md §4.2) under one tokenizer."""
+    """The ids of the prompt's fixed pieces (docs/contract.md §4.2) under one tokenizer."""
 
     head: tuple[int, ...]  # before the image run
     tail: tuple[int, ...]  # PROMPT_TAIL: after the instructions, before the first option
@@ -237,7 +238,7 @@ def find_image_run(ids: Sequence[int], image_tokens: int) -> int:
 def mrope_positions(
     ids: Sequence[int], image_start: int, grid_thw: tuple[int, int, int]
 ) -> np.ndarray:
-    """int64 [3, T] (T, H, W) positions of a sequence with one image run (contract.md §4.6)."""
+    """int64 [3, T] (T, H, W) positions of a sequence with one image run (docs/contract.md §4.6)."""
     _, grid_h, grid_w = grid_thw
     rows, cols = grid_h // 2, grid_w // 2  # merged 2x2 patches
     n_image = rows * cols

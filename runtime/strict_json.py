@@ -1,4 +1,4 @@
-"""Strict JSON parse of a request body into its top-level object (contract.md §1.5).
+"""Strict JSON parse of a request body into its top-level object (docs/contract.md §1.5).
 
 Follows the native worker's `json::parse` (`S1@04d43d0 src/models/qwen3_5/native/src/json.rs`):
 Python's `json` accepts NaN/Infinity, duplicate keys, lone surrogate escapes and out-of-range

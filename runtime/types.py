@@ -1,7 +1,8 @@
 """Data passed between the pipeline stages: a compiled request, its prepared layout, readouts.
 
-Follows the shapes of the reference's `MSO1.ask_branch` (contract.md §4.5, §5): every stage reads
-and writes these dataclasses, so the reference, the ONNX Runtime and the TensorRT paths share them.
+Follows the shapes of the reference's `MSO1.ask_branch` (docs/contract.md §4.5, §5): every stage
+reads and writes these dataclasses, so the reference, the ONNX Runtime and the TensorRT paths share
+them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Question:
 
 @dataclass(frozen=True)
 class Request:
-    """A request that passed the contract (contract.md §2); the image is still encoded."""
+    """A request that passed the contract (docs/contract.md §2); the image is still encoded."""
 
     image_mime: str  # "image/png" or "image/jpeg"
     image_bytes: bytes  # decoded base64, magic bytes already checked against the MIME type
@@ -38,7 +39,7 @@ class Request:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """Decoded and preprocessed image (contract.md §4.7-4.8)."""
+    """Decoded and preprocessed image (docs/contract.md §4.7-4.8)."""
 
     width: int  # original size
     height: int
@@ -64,7 +65,7 @@ def grid_tokens(grid_thw: tuple[int, int, int]) -> int:
 
 @dataclass(frozen=True)
 class Row:
-    """One (question, option) row after the prefix (contract.md §4.5), row-local indices."""
+    """One (question, option) row after the prefix (docs/contract.md §4.5), row-local indices."""
 
     tokens: tuple[int, ...]
     zq: int
@@ -108,7 +109,7 @@ class Prepared:
 
 @dataclass
 class QuestionReadout:
-    """Model outputs of one question, as the heads consume them (contract.md §5-6)."""
+    """Model outputs of one question, as the heads consume them (docs/contract.md §5-6)."""
 
     zq: np.ndarray  # float32 [D]: the first row's zq hidden state
     u: np.ndarray  # float32 [K, D]: one per option

@@ -1,7 +1,7 @@
 """Admission and scheduling of decision requests: 16 admitted, 2 preparing, 1 executing, and
 the heads and finishing of executed requests on threads of their own.
 
-Follows the later native worker's main.rs (contract.md §1.6): the admission slot belongs to the
+Follows the later native worker's main.rs (docs/contract.md §1.6): the admission slot belongs to the
 scheduled work, so a request whose client went away counts until its work ends, and a request
 still waiting when its client goes away is dropped without running. Unlike it, the execution
 permit covers the model's passes only: a request's heads, finishing and response JSON run after
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-ADMITTED = 16  # contract.md §1.6
-PREPARING = 2  # contract.md §1.6
+ADMITTED = 16  # docs/contract.md §1.6
+PREPARING = 2  # docs/contract.md §1.6
 # threads for heads, finishing and the response JSON of executed requests (issue 13): one runs
 # beside each execution, a second covers a request answered while the previous one still is
 RESPONDING = 2

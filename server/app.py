@@ -1,8 +1,9 @@
 """The HTTP worker: `POST /v1/systemone`, `GET /health` and `GET /metrics` on FastAPI.
 
-Follows the native worker's main.rs (contract.md §1): the same routes, order of checks, statuses,
-bodies and admission; unlike it, the server binds before loading and warms up in the background,
-and it guards the body read (upload slots, deadlines), the Host and the Content-Type (issue 14).
+Follows the native worker's main.rs (docs/contract.md §1): the same routes, order of checks,
+statuses, bodies and admission; unlike it, the server binds before loading and warms up in the
+background, and it guards the body read (upload slots, deadlines), the Host and the Content-Type
+(issue 14).
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
 from server.metrics import CONTENT_TYPE, DECISION_PATH, Metrics, RequestRecord
 from server.protocol import MAX_HEADER_BYTES, GuardedH11Protocol
 
-MAX_BODY = 12 * 1024 * 1024  # contract.md §1.4: 12,582,912 bytes
+MAX_BODY = 12 * 1024 * 1024  # docs/contract.md §1.4: 12,582,912 bytes
 # a refused body up to this size is read and dropped so that its client reads the 413 instead
 # of a connection reset; a larger one is cut off
 DRAIN_LIMIT = 64 * 1024 * 1024
-REQUEST_ID_MAX = 128  # longer client ids are replaced (anchors.md §8: request ids)
-RETRY_AFTER = {"Retry-After": "1"}  # contract.md §1.5
+REQUEST_ID_MAX = 128  # longer client ids are replaced (docs/anchors.md §8: request ids)
+RETRY_AFTER = {"Retry-After": "1"}  # docs/contract.md §1.5
 # admitted work finishes before a SIGTERM'd worker exits; 16 requests of 255 options take minutes
-# (contract.md §1.6: 40.6 s median with 8 clients)
+# (docs/contract.md §1.6: 40.6 s median with 8 clients)
 GRACEFUL_SHUTDOWN_S = 300
 # warm-up rounds once the fixed-shape sessions built during the first have settled: ONNX
 # Runtime runs a pass before it captures its CUDA graph, and replays from the next
@@ -103,7 +104,7 @@ class Engine(Protocol):
     # which the worker runs beside the next request's passes (`Worker.execute`).
 
     def warm_up_request(self) -> dict:
-        """The warm-up request body of contract.md §1.2."""
+        """The warm-up request body of docs/contract.md §1.2."""
         ...
 
 
@@ -586,7 +587,7 @@ def create_app(
         openapi_extra={"requestBody": DECISION_BODY},
     )
     async def decide(request: Request) -> Response:
-        """Answer the questions about the image (contract.md §2-3)."""
+        """Answer the questions about the image (docs/contract.md §2-3)."""
         record: RequestRecord = request.state.record
         large = is_large(request)
         if large and not await slots.take(upload_wait_s):

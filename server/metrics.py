@@ -1,7 +1,7 @@
 """Prometheus metrics and the one-line JSON log of each request to the worker.
 
 The native worker's main.rs has neither; the metric names follow the precedents listed in
-anchors.md §8 (requests by status, stage latency, input tokens, queue depth).
+docs/anchors.md §8 (requests by status, stage latency, input tokens, queue depth).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from prometheus_client.core import GaugeMetricFamily
 from server import memory
 from server.admission import Scheduler
 
-DECISION_PATH = "/v1/systemone"  # contract.md §1.3
+DECISION_PATH = "/v1/systemone"  # docs/contract.md §1.3
 STAGES = ("prepare", "queue_wait", "execute", "total")
 # seconds; one question takes ~0.16 s and a 16-deep queue of 255-option requests minutes
-# (anchors.md §2, contract.md §1.6)
+# (docs/anchors.md §2, docs/contract.md §1.6)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 QUIET_PATHS = ("/health", "/metrics")  # probes: logged at debug level only
 

@@ -32,7 +32,7 @@ from server.app import Engine, ListeningServer, create_app, worker_config
 from tools import fuzz
 from tools.fuzz import data_url, png_bytes  # noqa: F401 - the tests import them from here
 
-MODEL_ID = "tinnel123/OmniJev"  # contract.md §1.3
+MODEL_ID = "tinnel123/OmniJev"  # docs/contract.md §1.3
 FAIL = "make execute fail"  # instructions that make RealishEngine.execute raise
 HOLD_S = 30.0  # a held stage gives up after this, so that a broken test cannot hang
 START_S = 30.0  # a server that does not answer within this failed to start
@@ -45,7 +45,7 @@ class RealishEngine:
 
     `prepare` is runtime.executor's: compile_request then processing.prepare. `execute` does not
     run any model: it sleeps `execute_delay` seconds and waits for `release`, raises if a
-    question's instructions are FAIL, and builds the response shape of contract.md §3 from the
+    question's instructions are FAIL, and builds the response shape of docs/contract.md §3 from the
     prepared layout. `hold_*` make a stage wait until the test lets it go (the warm-up request,
     always the first, excepted), so that tests need no timing guesses.
     """

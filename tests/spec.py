@@ -1,11 +1,12 @@
-"""What the tests share from the specification: the reference's fixture folder and the answer
-fields of contract.md §3, in their order."""
+"""What the tests share from the specification: the reference's fixture folder (copied into the
+repository, tests/fixtures/reference/README.md) and the answer fields of docs/contract.md §3, in
+order."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "reference"
 ANSWER_FIELDS = {
     "noul": ["noul", "latency_s", "latency_total_s"],
     "choice": [

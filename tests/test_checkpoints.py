@@ -79,7 +79,7 @@ def test_4b_preset_has_the_real_shapes():
     lm = "model.language_model."
     assert shapes[lm + "embed_tokens.weight"] == (248320, 2560)
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
-    # model.md §2.2
+    # docs/model.md §2.2
     gdn, attn = lm + "layers.0.linear_attn.", lm + "layers.3.self_attn."
     assert shapes[gdn + "in_proj_qkv.weight"] == (8192, 2560)
     assert shapes[gdn + "in_proj_z.weight"] == (4096, 2560)
@@ -91,7 +91,7 @@ def test_4b_preset_has_the_real_shapes():
     assert shapes[attn + "k_proj.weight"] == (1024, 2560)
     assert shapes[attn + "o_proj.weight"] == (2560, 4096)
     assert shapes[lm + "layers.31.mlp.down_proj.weight"] == (2560, 9216)
-    # model.md §6.1-6.3
+    # docs/model.md §6.1-6.3
     assert shapes["model.visual.patch_embed.proj.weight"] == (1024, 3, 2, 16, 16)
     assert shapes["model.visual.pos_embed.weight"] == (2304, 1024)
     assert shapes["model.visual.merger.linear_fc1.weight"] == (4096, 4096)
@@ -189,7 +189,7 @@ def test_heads_and_option_rows(release_dir):
 
 
 def render_prompt(instructions: str) -> str:
-    """The chat template as transformers renders it for MSO1 (contract.md §4.2)."""
+    """The chat template as transformers renders it for MSO1 (docs/contract.md §4.2)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     content = [{"type": "image"}, {"type": "text", "text": instructions}]
@@ -303,7 +303,7 @@ def test_release_and_export_give_the_same_lm_outputs(export_dir, release_dir):
 
 
 def prepared_input(tokenizer, instructions: str, options: list[str], grid=(1, 8, 8)):
-    """One question's sequence as contract.md §4.2-4.4 lays it out, with random pixels."""
+    """One question's sequence as docs/contract.md §4.2-4.4 lays it out, with random pixels."""
 
     def encode(text):
         return tokenizer.encode(text, add_special_tokens=False).ids
@@ -323,7 +323,8 @@ def prepared_input(tokenizer, instructions: str, options: list[str], grid=(1, 8,
 
 
 def test_heads_give_spread_logits_on_a_prepared_request(export_dir):
-    """The synthetic heads are neither uniform nor saturated (contract.md §6.2-6.4 arithmetic)."""
+    """The synthetic heads are neither uniform nor saturated (docs/contract.md §6.2-6.4
+    arithmetic)."""
     from tokenizers import Tokenizer
 
     info = load_export(export_dir, verify=False)

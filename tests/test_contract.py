@@ -1,5 +1,5 @@
-"""The request contract: every rule of contract.md §2.2-2.6 accepts and refuses, with its message,
-and keys and option texts match the reference's own output (processing.json)."""
+"""The request contract: every rule of docs/contract.md §2.2-2.6 accepts and refuses, with its
+message, and keys and option texts match the reference's own output (processing.json)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import base64
 import functools
 import io
 import json
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -16,8 +15,9 @@ from runtime.contract import MAX_TEXT_CHARS, compile_request, rust_debug
 from runtime.contract import RESERVED_TOKENS as RESERVED
 from runtime.errors import ContractError
 from runtime.strict_json import parse_body
+from tests.spec import FIXTURES
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared/fixtures/reference/processing.json"
+FIXTURE = FIXTURES / "processing.json"
 LONG = "x" * (MAX_TEXT_CHARS + 1)
 # long messages, named once so the tables below stay readable
 FIELDS = "request fields must be model, state and questions"

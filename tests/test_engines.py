@@ -324,7 +324,7 @@ def test_verify_without_manifest_or_plans(tmp_path):
 @needs_library
 def test_custom_readout_node_without_plugin_fails_cleanly(tmp_path):
     """The plugin variant parses only where the plugin is registered (never a Python plugin in
-    this process: RTX aborts on one, engines.md §0.4)."""
+    this process: RTX aborts on one, docs/engines.md §0.4)."""
     onnx_path = rows_graph(tmp_path / "lm_rows.onnx", plugin=True)
     with pytest.raises(RuntimeError, match="Plugin not found"):
         trt_build.build_plan(trt, onnx_path, tmp_path / "x.plan", "lm_rows", b"", False)

@@ -1,4 +1,5 @@
-"""Tests of build_engines/export_format.py: each check of contract.md §8.3, the weight loaders."""
+"""Tests of build_engines/export_format.py: each check of docs/contract.md §8.3, the weight
+loaders."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def test_vision_and_heads_state(export_dir):
     assert all(k.startswith("model.visual.") for k in vision)
     heads = load_heads_state(info)
     assert {k: tuple(v.shape) for k, v in heads.items()} == head_shapes(64)
-    assert head_shapes(2560)["head.opt.0.weight"] == (1024, 2560)  # contract.md §6.1
+    assert head_shapes(2560)["head.opt.0.weight"] == (1024, 2560)  # docs/contract.md §6.1
     assert head_shapes(2560)["ord.cut.0.weight"] == (512, 2560)
 
 
@@ -151,7 +152,7 @@ def test_build_transformers_model_ties_and_matches_dtype(export_dir):
     assert torch.isfinite(out.logits).all()
 
 
-# -- refusals (contract.md §8.3) -----------------------------------------------------------
+# -- refusals (docs/contract.md §8.3) -----------------------------------------------------------
 
 
 def test_refuses_wrong_format(copy):

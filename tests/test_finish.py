@@ -1,4 +1,4 @@
-"""Finishing against the reference's `MSO1._finish` outputs (finish.json, contract.md §7)."""
+"""Finishing against the reference's `MSO1._finish` outputs (finish.json, docs/contract.md §7)."""
 
 from __future__ import annotations
 

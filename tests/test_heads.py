@@ -183,7 +183,7 @@ def full_size(tmp_path_factory) -> tuple[int, dict[str, np.ndarray], Heads]:
 
 
 class SpecHeads:
-    """OptionScorer and OrdinalScoreHead in PyTorch, written from contract.md §6.3-6.4."""
+    """OptionScorer and OrdinalScoreHead in PyTorch, written from docs/contract.md §6.3-6.4."""
 
     def __init__(self, tensors: dict[str, np.ndarray]):
         self.w = {k: torch.from_numpy(v) for k, v in tensors.items()}

@@ -1,5 +1,5 @@
 """Image data URLs, decoding and preprocessing against the reference's pixel fixtures
-(contract.md §2.3, §4.7-4.8, §9.2) and the worker's refusals."""
+(docs/contract.md §2.3, §4.7-4.8, §9.2) and the worker's refusals."""
 
 from __future__ import annotations
 

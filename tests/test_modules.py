@@ -25,7 +25,7 @@ from runtime.model.gdn import (
 from runtime.model.vision import vision_inputs
 from runtime.model.weights import load_language_pass, load_vision_tower
 
-# model.md §10.1
+# docs/model.md §10.1
 TINY_TEXT = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
@@ -42,7 +42,7 @@ TINY_VISION = dict(
 TOKEN_IDS = dict(
     image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503
 )
-# Qwen3.5-4B widths (model.md §2.1, §6.1) cut to one Gated DeltaNet and one attention layer
+# Qwen3.5-4B widths (docs/model.md §2.1, §6.1) cut to one Gated DeltaNet and one attention layer
 # (the MLP narrowed to keep the test fast: it is the same SwiGLU at any width).
 CUT_TEXT = dict(
     TINY_TEXT, hidden_size=2560, intermediate_size=1024, num_hidden_layers=2,

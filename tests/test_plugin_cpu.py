@@ -97,7 +97,7 @@ def test_large_logits_stay_finite(kernel_cpu):
 
 def test_bf16_logits_round_as_the_bf16_matmul(kernel_cpu):
     """BF16 inputs: logits rounded to bfloat16 as torch's BF16 matmul rounds them; agreement
-    within the worker's tolerance, one BF16 ulp of the logit + 1e-3 (contract.md §5)."""
+    within the worker's tolerance, one BF16 ulp of the logit + 1e-3 (docs/contract.md §5)."""
     hidden, embedding, tokens = random_case(6, 2000, 64, seed=3)
     hidden, embedding = bf16_values(hidden), bf16_values(embedding)
     got = kernel_cpu(hidden, embedding, tokens, bf16=True)

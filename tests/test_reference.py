@@ -76,7 +76,7 @@ def exact_gated_delta_rule(
     use_qk_l2norm_in_kernel=False,
     **_,
 ):
-    """The gated delta rule token by token in float64 (model.md §3): an oracle without the
+    """The gated delta rule token by token in float64 (docs/model.md §3): an oracle without the
     float32 chunk arithmetic of transformers' kernel, so that only the branch logic is compared."""
     q, k, v, b, decay = (x.transpose(1, 2).double() for x in (query, key, value, beta, g))
     if use_qk_l2norm_in_kernel:

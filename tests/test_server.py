@@ -1,6 +1,6 @@
 """The HTTP worker over real HTTP: statuses, order of checks, admission, disconnects, shutdown.
 
-Every test talks to uvicorn on a free loopback port (server/app.py, contract.md §1); the engine
+Every test talks to uvicorn on a free loopback port (server/app.py, docs/contract.md §1); the engine
 is tests/server_helpers.RealishEngine, whose contract and preparation are the real ones.
 """
 

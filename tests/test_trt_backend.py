@@ -120,7 +120,7 @@ def test_rtx_refuses_hopper(tmp_path, gpu_like):
     root = write_engines(tmp_path / "e")
     gpu_like["capability"] = (9, 0)
     assert backend.unavailable_reason(root) == (
-        "tensorrt_rtx refuses compute capability 9.0 (engines.md §0.3)"
+        "tensorrt_rtx refuses compute capability 9.0 (docs/engines.md §0.3)"
     )
     gpu_like["capability"] = (8, 9)
     assert backend.unavailable_reason(root) is None

@@ -3,7 +3,7 @@ same graphs, feeds and outputs as the ONNX files. On CUDA: fla-core's Gated Delt
 prefix read in place by one folded product per pass, `torch.compile` and one CUDA graph per shape
 (`runtime.backends.graphs`); on the CPU: eager PyTorch with the eager chunked core, no graphs.
 
-Follows docs/design.md "Language-model passes" and engines.md §15 (the compiled engine measured
+Follows docs/design.md "Language-model passes" and docs/engines.md §15 (the compiled engine measured
 on the H200); module names deliberately avoid `torch.py`.
 """
 
@@ -53,7 +53,7 @@ READOUT_PIECE = 128
 # (0.33 ms a 128-row piece on the H200, the table's read alone 0.32; h200-2026-12-04c)
 WIDE_READOUT_PIECE = 256
 # embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
-# to an sm75 kernel on the H200 (engines.md §15); the padded rows are never read
+# to an sm75 kernel on the H200 (docs/engines.md §15); the padded rows are never read
 TABLE_ALIGN = 64
 GRAPH_SLOTS = 64  # shape signatures kept per graph, each with its buffers and CUDA graph
 # the image graph's slots are keyed by the decoded image's size, of which a deployment may send

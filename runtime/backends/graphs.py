@@ -2,7 +2,7 @@
 bind once, run eagerly once (lazy initialisation stays out of the graph), capture, then replay.
 
 Follows PyTorch's `torch.cuda.graph` rules (static addresses, a side stream, warm-up before
-capture) and engines.md §7: a graph replays only with the very buffers it was captured on, so
+capture) and docs/engines.md §7: a graph replays only with the very buffers it was captured on, so
 feeds are copied in and outputs copied out.
 """
 

@@ -2,7 +2,7 @@
 
 On CUDA, every tensor stays on the device between passes (states never travel to the host);
 with CUDA graphs each distinct set of shapes gets its own `gpu_graph_id` and its own persistent
-buffers, captured on first use and replayed afterwards (engines.md §7.3). The weights are read
+buffers, captured on first use and replayed afterwards (docs/engines.md §7.3). The weights are read
 once and handed to every session (`add_initializer`), so sessions share one copy.
 """
 

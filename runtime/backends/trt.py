@@ -1,5 +1,6 @@
 """TensorRT backend: runs an engine directory's plans with `tensorrt` or `tensorrt_rtx` on torch
-CUDA tensors, following the TensorRT runtime API and its CUDA-graph rules (engines.md §2, §7.1).
+CUDA tensors, following the TensorRT runtime API and its CUDA-graph rules (docs/engines.md §2,
+§7.1).
 
 Each graph's plan is deserialized once (the plugin library loaded first). Each distinct set of
 input shapes gets its own execution context, persistent I/O buffers and, after a warm-up enqueue,
@@ -20,7 +21,7 @@ from runtime.config import RuntimeConfig
 from runtime.constants import DTYPES
 
 MAX_BOUND = 128  # shape sets kept bound (context, buffers, graph); the least recent go first
-# The TensorRT-RTX runtime's own list when it refused an H200 (engines.md §0.3): "Supported
+# The TensorRT-RTX runtime's own list when it refused an H200 (docs/engines.md §0.3): "Supported
 # compute capabilities: 8.0 8.6 8.9 12.0 12.1 >12.0".
 RTX_RUNTIME_CAPABILITIES = ((8, 0), (8, 6), (8, 9))
 RTX_RUNTIME_FROM = (12, 0)  # this and every newer compute capability
@@ -112,7 +113,7 @@ def unavailable_reason(engines_dir: Path) -> str | None:
     label = f"{capability[0]}.{capability[1]}"
     if library == manifests.RTX:
         if rtx_refuses(capability):
-            return f"tensorrt_rtx refuses compute capability {label} (engines.md §0.3)"
+            return f"tensorrt_rtx refuses compute capability {label} (docs/engines.md §0.3)"
     elif plans["device"]["compute_capability"] != label:
         built = plans["device"]
         return f"plans were built on {built['name']} ({built['compute_capability']}), not {label}"
@@ -177,7 +178,7 @@ class TensorRTBackend:
             self.stream = torch.cuda.Stream(self.device)  # never the default stream (§7.1)
         self.logger = self.trt.Logger(self.trt.Logger.WARNING)
         if plans["readout"] == "plugin":
-            # creators must be registered before deserialization (engines.md §12.3)
+            # creators must be registered before deserialization (docs/engines.md §12.3)
             self.trt.get_plugin_registry().load_library(plans["plugin"]["library"])
         self.runtime = self.trt.Runtime(self.logger)
         self.plans = {

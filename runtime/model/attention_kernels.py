@@ -2,7 +2,7 @@
 the image prefix's keys, each row's past and its own keys in place, as a PyTorch custom op; the
 image prefix's own pass by PyTorch's fused causal attention.
 
-Follows `runtime.model.language.grouped_attention` (model.md §2: GQA, one softmax over the
+Follows `runtime.model.language.grouped_attention` (docs/model.md §2: GQA, one softmax over the
 prefix, past and own keys, masked keys out), written as an online softmax in float32.
 """
 

@@ -1,7 +1,7 @@
 """Gated DeltaNet cores: the chunked gated delta rule in its eager, standard-op and ONNX Runtime
 forms, chosen by name (`CORES`); the CUDA kernels of the torch backend are in `gdn_kernels`.
 
-Follows transformers 5.17 `torch_chunk_gated_delta_rule` (model.md §3): chunks of 64, q and k
+Follows transformers 5.17 `torch_chunk_gated_delta_rule` (docs/model.md §3): chunks of 64, q and k
 normalised and q scaled before the core, float32 throughout.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GDN_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk (model.md §3)
+GDN_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk (docs/model.md §3)
 STD_MAX_TOKENS = GDN_CHUNK  # the standard-op GDN graph is one chunk: passes of at most 64 tokens
-L2_EPS = 1e-6  # l2norm inside the kernel (use_qk_l2norm_in_kernel, model.md §3)
+L2_EPS = 1e-6  # l2norm inside the kernel (use_qk_l2norm_in_kernel, docs/model.md §3)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

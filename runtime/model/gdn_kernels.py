@@ -3,7 +3,7 @@
 on, our own recurrent kernel for short rows, for BF16 option rows a block kernel that reads
 their questions' states once, through matrix products, and the short conv before the core.
 
-Follows the gated delta rule of model.md §3 (S ← e^g S; v' = β(v − Sᵀk); S ← S + k v'ᵀ;
+Follows the gated delta rule of docs/model.md §3 (S ← e^g S; v' = β(v − Sᵀk); S ← S + k v'ᵀ;
 o = Sᵀq, q and k l2-normalised with eps 1e-6 and q scaled), fla-core's fused recurrent form,
 and for the block kernel the same rule unrolled over a row from its initial state (fla-core's
 chunked form with one chunk a row).

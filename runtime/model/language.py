@@ -2,8 +2,8 @@
 states: gated attention, Gated DeltaNet, the readouts (docs/design.md "Language-model passes");
 and the torch backend's joint pass, a question's rows and the option rows continuing them.
 
-Follows transformers 5.17 `Qwen3_5TextModel` (model.md §2-§5); the Gated DeltaNet core comes from
-`runtime.model.gdn` by name.
+Follows transformers 5.17 `Qwen3_5TextModel` (docs/model.md §2-§5); the Gated DeltaNet core comes
+from `runtime.model.gdn` by name.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ KEY_ALIGN = 8
 
 
 def mrope_axes(rotary_dim: int, section: list[int]) -> list[int]:
-    """Position axis (0 T, 1 H, 2 W) of each rotary frequency, interleaved (contract.md §4.6)."""
+    """Position axis (0 T, 1 H, 2 W) of each rotary frequency, interleaved (docs/contract.md
+    §4.6)."""
     axes = []
     for i in range(rotary_dim // 2):
         if i % 3 == 1 and i < 3 * section[1]:

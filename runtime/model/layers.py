@@ -1,6 +1,7 @@
 """Pieces the vision tower and the language model share: norms, the MLP, the half rotation.
 
-Follows transformers 5.17 `Qwen3_5RMSNorm`, `Qwen3_5RMSNormGated` and `Qwen3_5MLP` (model.md §2-§6).
+Follows transformers 5.17 `Qwen3_5RMSNorm`, `Qwen3_5RMSNormGated` and `Qwen3_5MLP` (docs/model.md
+§2-§6).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (model.md §6.2)
+LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (docs/model.md §6.2)
 MASKED = torch.finfo(torch.float32).min  # finite, so a row whose keys are all masked stays finite
 # `product` pads to a row floor inside the op `floored_linear`, out of the compiler's sight, in
 # place of a pad of max(floor - rows, 0) rows in the traced graph. A graph the compiler caches

@@ -1,6 +1,6 @@
 """The vision tower (patches → merged image rows) and its host-side position and rotary tables.
 
-Follows transformers 5.17 `Qwen3_5VisionModel.forward` (model.md §6).
+Follows transformers 5.17 `Qwen3_5VisionModel.forward` (docs/model.md §6).
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ class VisionBlock(nn.Module):
 class VisionTower(nn.Module):
     """Patches [N, 1536] + host `pos_embeds`, `cos`, `sin` → merged rows [N/4, out_hidden].
 
-    Full non-causal attention over the one image; the merger uses exact GELU (model.md §6.2)."""
+    Full non-causal attention over the one image; the merger uses exact GELU (docs/model.md
+    §6.2)."""
 
     def __init__(self, vision_config: dict, attention: str = "std"):
         super().__init__()
