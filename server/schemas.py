@@ -27,7 +27,9 @@ from runtime.contract import (
 from runtime.panels import MAX_IMAGES
 from server.formats import NATIVE_PATH, decisions, typesafe
 
-IMAGE_URL = r"^data:image/(png|jpeg);base64,[A-Za-z0-9+/]+={0,2}$"  # contract.md §2.3
+# contract.md §2.3: strict base64 of at least one quantum with canonical padding
+BASE64 = r"([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{4}|[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)"
+IMAGE_URL = rf"^data:image/(png|jpeg);base64,{BASE64}$"
 MediaReferences = Annotated[str, Field(pattern=r"^(\s*<image:[0-9]+>)*\s*$")]
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 ImageURL = Annotated[str, Field(pattern=IMAGE_URL, description="data:image/png or jpeg, base64")]

@@ -139,9 +139,9 @@ def message_images(content: object, where: str) -> list[str]:
 
 def native_question(question: object, where: str) -> tuple[dict, list]:
     """One Decisions question as a native one, with a choice question's typed values."""
-    if not isinstance(question, dict) or question.get("type") not in QUESTION_FIELDS:
+    kind = question.get("type") if isinstance(question, dict) else None
+    if not isinstance(kind, str) or kind not in QUESTION_FIELDS:
         raise FormatError(f"{where}.type: must be predicate, choice or score", f"{where}.type", 400)
-    kind = question["type"]
     check_keys(question, QUESTION_FIELDS[kind], where, 400)
     instructions = question.get("instructions")
     if not isinstance(instructions, str):
