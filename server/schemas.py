@@ -49,6 +49,15 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def strict_with_example(**example: Any) -> ConfigDict:
+    """A strict model's settings with one request example (the model's own, then `example`)."""
+    body = {"model": MODELS[0], **example}
+    return ConfigDict(extra="forbid", json_schema_extra={"examples": [body]})
+
+
+NOUL_EXAMPLE = {"type": "noul", "instructions": "A person is visible."}
+
+
 # -- native: POST /v1/systemone (contract.md §2-3) ---------------------------------------------
 
 # a falsy region counts as absent (contract.md §2.5)
@@ -115,23 +124,15 @@ QuestionIds = {"propertyNames": {"maxLength": MAX_ID_CHARS}}
 class DecisionRequest(Strict):
     """Strict JSON: unknown fields, duplicate keys, NaN and deep nesting are refused."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": MODELS[0],
-                    "state": {"images": [EXAMPLE_IMAGE]},
-                    "questions": {
-                        "visible": {"type": "noul", "instructions": "A person is visible."},
-                        "risk": {
-                            "type": "score",
-                            "instructions": "How risky is acting on this screen?",
-                            "levels": ["safe", "check first", "dangerous"],
-                        },
-                    },
-                }
-            ]
+    model_config = strict_with_example(
+        state={"images": [EXAMPLE_IMAGE]},
+        questions={
+            "visible": NOUL_EXAMPLE,
+            "risk": {
+                "type": "score",
+                "instructions": "How risky is acting on this screen?",
+                "levels": ["safe", "check first", "dangerous"],
+            },
         },
     )
     model: Any = Field(None, json_schema_extra={"enum": [*MODELS, None]})
@@ -236,23 +237,15 @@ TypeSafeQuestion = Annotated[
 class TypeSafeRequest(Strict):
     """The `system-one` SDK's SystemOneInput; `media` is OneJev's (state: `<image:1>`...)."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": MODELS[0],
-                    "state": {"images": [EXAMPLE_IMAGE]},
-                    "questions": {
-                        "visible": {"type": "noul", "instructions": "A person is visible."},
-                        "severity": {
-                            "type": "score",
-                            "instructions": "How severe is the issue?",
-                            "criteria": ["minor", "normal", "major", "critical"],
-                        },
-                    },
-                }
-            ]
+    model_config = strict_with_example(
+        state={"images": [EXAMPLE_IMAGE]},
+        questions={
+            "visible": NOUL_EXAMPLE,
+            "severity": {
+                "type": "score",
+                "instructions": "How severe is the issue?",
+                "criteria": ["minor", "normal", "major", "critical"],
+            },
         },
     )
     model: Any = Field(None, json_schema_extra={"enum": [*MODELS, None]})
@@ -344,29 +337,16 @@ DecisionQuestion = Annotated[
 class OpenAIDecisionRequest(Strict):
     """`client.decisions.create(model=..., input=[user messages], questions=[...])`."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": MODELS[0],
-                    "input": [
-                        {
-                            "role": "user",
-                            "content": [{"type": "input_image", "image_url": EXAMPLE_IMAGE}],
-                        }
-                    ],
-                    "questions": [
-                        {"type": "predicate", "instructions": "A person is visible.", "name": "p"},
-                        {
-                            "type": "choice",
-                            "instructions": "What comes next?",
-                            "choices": [{"value": "click"}, {"value": "wait"}],
-                        },
-                    ],
-                }
-            ]
-        },
+    model_config = strict_with_example(
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": EXAMPLE_IMAGE}]}],
+        questions=[
+            {**NOUL_EXAMPLE, "type": "predicate", "name": "visible"},
+            {
+                "type": "choice",
+                "instructions": "What comes next?",
+                "choices": [{"value": "click"}, {"value": "wait"}],
+            },
+        ],
     )
     model: Any = Field(json_schema_extra={"enum": list(MODELS)})
     input: list[UserMessage] = Field(min_length=1, max_length=MAX_IMAGES)
