@@ -1,4 +1,6 @@
-"""The HTTP worker: `POST /v1/systemone`, `GET /health` and `GET /metrics` on FastAPI.
+"""The HTTP worker: `POST /v1/systemone`, `GET /health` and `GET /metrics` on FastAPI, and the
+ecosystem's formats beside them (`POST /typesafe/v1/systemone`, `POST /v1/decisions`,
+`GET /v1/models`; server.formats), each through the native route's checks and admission.
 
 Follows the native worker's main.rs (contract.md §1): the same routes, order of checks, statuses,
 bodies and admission; unlike it, the server binds before loading and warms up in the background,
