@@ -38,7 +38,9 @@ checkpoint: venv
 engines: venv
 	$(OMNIJEV) engines --checkpoint $(CHECKPOINT) --out $(ENGINES)
 
-# the seeded abuse run of issue 14 against a real worker on 127.0.0.1 (minutes; not in `make test`)
+# the seeded abuse run of issue 14 against a real worker on 127.0.0.1 (minutes; not in `make test`),
+# its malformed bodies sent to the three decision routes, then schemathesis against the same worker:
+# `st run --checks all http://127.0.0.1:PORT/openapi.json` (settings: schemathesis.toml)
 fuzz: venv
 	$(PY) -m tools.fuzz $(FUZZ_ARGS)
 

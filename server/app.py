@@ -1,4 +1,6 @@
-"""The HTTP worker: `POST /v1/systemone`, `GET /health` and `GET /metrics` on FastAPI.
+"""The HTTP worker: `POST /v1/systemone`, `GET /health` and `GET /metrics` on FastAPI, and the
+ecosystem's formats beside them (`POST /typesafe/v1/systemone`, `POST /v1/decisions`,
+`GET /v1/models`; server.formats), each through the native route's checks and admission.
 
 Follows the native worker's main.rs (docs/contract.md §1): the same routes, order of checks,
 statuses, bodies and admission; unlike it, the server binds before loading and warms up in the
@@ -18,17 +20,16 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -37,8 +38,18 @@ from runtime.strict_json import parse_body
 from runtime.types import Prepared
 from server import memory
 from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
-from server.metrics import CONTENT_TYPE, DECISION_PATH, Metrics, RequestRecord
+from server.formats import NATIVE, FormatError, Translation, Wire, decisions, typesafe, unchanged
+from server.metrics import CONTENT_TYPE, Metrics, RequestRecord
 from server.protocol import MAX_HEADER_BYTES, GuardedH11Protocol
+from server.schemas import (
+    ROUTE_DOCS,
+    ROUTE_SUMMARIES,
+    HealthBody,
+    ModelList,
+    request_body,
+    request_schemas,
+    route_responses,
+)
 
 MAX_BODY = 12 * 1024 * 1024  # docs/contract.md §1.4: 12,582,912 bytes
 # a refused body up to this size is read and dropped so that its client reads the 413 instead
@@ -81,6 +92,8 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ALLOWED_HOSTS_ENV = "OMNIJEV_ALLOWED_HOSTS"
 DOCS_ENV = "OMNIJEV_DOCS"  # "0" turns off /docs, /redoc and /openapi.json
 JSON_TYPE = "application/json"
+WIRES = (NATIVE, typesafe.WIRE, decisions.WIRE)  # the decision routes, one a format
+CREATED = 0  # `GET /v1/models`' creation time: the served model carries none
 
 log = logging.getLogger("omnijev.server")
 
@@ -108,117 +121,15 @@ class Engine(Protocol):
         ...
 
 
-# OpenAPI documentation only: requests are parsed by runtime.strict_json and runtime.contract.
-
-
-class Region(BaseModel):
-    box: list[float] = Field(min_length=4, max_length=4, description="[x1, y1, x2, y2] in pixels")
-
-
-class NoulQuestion(BaseModel):
-    type: Literal["noul"]
-    instructions: str = Field(max_length=8192)
-    region: Region | None = None
-
-
-class ChoiceOption(BaseModel):
-    key: str | None = None
-    text: str | None = None
-    region: Region | None = None
-    abstain: bool | None = Field(None, description="abstain entries are skipped")
-
-
-class ChoiceQuestion(BaseModel):
-    type: Literal["choice"]
-    instructions: str = Field(max_length=8192)
-    options: list[ChoiceOption] | None = Field(None, description="reference form")
-    criteria: dict[str, str | None] | None = Field(None, description="key -> rubric or null")
-
-
-class ScoreQuestion(BaseModel):
-    type: Literal["score"]
-    instructions: str = Field(max_length=8192)
-    levels: list[str] | None = None
-    criteria: dict[str, str | None] | None = Field(None, description="keyed by level")
-
-
-class ImageState(BaseModel):
-    images: list[str] = Field(
-        min_length=1, max_length=1, description="one data:image/png or data:image/jpeg base64 URL"
-    )
-
-
-Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
-
-
-class DecisionRequest(BaseModel):
-    """Strict JSON: unknown fields, duplicate keys, NaN and deep nesting are refused."""
-
-    model: str | None = Field("tinnel123/OmniJev", description="also omnijev, omnijev-4b-v1.1")
-    state: ImageState
-    questions: dict[str, Question] = Field(description="1 to 64, answered in this order")
-
-
-class NoulAnswer(BaseModel):
-    noul: float
-    latency_s: float
-    latency_total_s: float
-
-
-class ChoiceAnswer(BaseModel):
-    choice: str
-    probabilities: dict[str, float]
-    abstain: float
-    valid: bool
-    confidence: float
-    latency_s: float
-    latency_total_s: float
-
-
-class ScoreAnswer(BaseModel):
-    score: str
-    probabilities: dict[str, float]
-    confidence: float
-    latency_s: float
-    latency_total_s: float
-
-
-class Usage(BaseModel):
-    input_tokens: int
-    output_tokens: int = 0
-
-
-class DecisionResponse(BaseModel):
-    model: str = "tinnel123/OmniJev"
-    answers: dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer]
-    usage: Usage
-
-
-class ErrorBody(BaseModel):
-    detail: str
-
-
-class HealthBody(BaseModel):
-    status: str
-    model: str | None = None
-
-
-DECISION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"model": DecisionResponse, "description": "answers in question order"},
-    400: {"model": ErrorBody, "description": "not strict JSON, or not an object"},
-    413: {"model": ErrorBody, "description": "body over 12 MiB"},
-    422: {"model": ErrorBody, "description": "contract or preparation refusal"},
-    500: {"model": ErrorBody, "description": "inference failed"},
-    503: {"model": ErrorBody, "description": "busy or warming up; retry after Retry-After"},
-}
-DECISION_BODY = {
-    "required": True,
-    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/DecisionRequest"}}},
-}
-
-
 def error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def wire_error(
+    wire: Wire, status: int, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error answer in the route's format (the native `{"detail": ...}` on the native one)."""
+    return JSONResponse(wire.error_body(status, message, None), status_code=status, headers=headers)
 
 
 def encode(response: dict) -> bytes:
@@ -396,12 +307,14 @@ def header(scope: Scope, name: bytes) -> str:
 
 
 class Guard:
-    """ASGI middleware: the Host must be allowed (400), a decision must be JSON (415)."""
+    """ASGI middleware: the Host must be allowed (400), a decision must be JSON (415); each
+    decision route's refusals in its format's error body."""
 
-    def __init__(self, app: ASGIApp, allowed_hosts: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, allowed_hosts: Sequence[str], wires: Sequence[Wire]) -> None:
         self.app = app
         self.any_host = "*" in allowed_hosts
         self.allowed = {name.lower() for name in allowed_hosts}
+        self.wires = {wire.path: wire for wire in wires}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -412,13 +325,14 @@ class Guard:
         await self.app(scope, receive, send)
 
     def refusal(self, scope: Scope) -> JSONResponse | None:
+        wire = self.wires.get(scope["path"], NATIVE)
         host = host_name(header(scope, b"host"))
         if not self.any_host and host not in self.allowed:
-            return error(400, f"host {host!r} is not allowed")
-        if scope["method"] == "POST" and scope["path"] == DECISION_PATH:
+            return wire_error(wire, 400, f"host {host!r} is not allowed")
+        if scope["method"] == "POST" and scope["path"] in self.wires:
             media = header(scope, b"content-type").split(";")[0].strip().lower()
             if media != JSON_TYPE:
-                return error(415, f"content type must be {JSON_TYPE}, not {media!r}")
+                return wire_error(wire, 415, f"content type must be {JSON_TYPE}, not {media!r}")
         return None
 
 
@@ -460,24 +374,38 @@ class Worker:
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)
 
-    async def answer(self, ticket: Ticket, obj: dict, record: RequestRecord) -> tuple[int, bytes]:
-        """Prepare and execute one admitted request: (status, body); never raises."""
+    async def answer(
+        self, ticket: Ticket, obj: dict, record: RequestRecord, wire: Wire = NATIVE
+    ) -> tuple[int, bytes]:
+        """Prepare and execute one admitted request: (status, body); never raises. The body is
+        translated into the native request and the answers back by `wire` (server.formats)."""
         try:
-            prepared = await self.scheduler.prepare(ticket, self.engine.prepare, obj)
+            prepared, translation = await self.scheduler.prepare(
+                ticket, self._prepare_translated, (obj, wire)
+            )
             record.input_tokens = prepared.input_tokens
             record.questions = len(prepared.questions)
-            body, status = await self.execute(ticket, prepared), 200
+            body, status = await self.execute(ticket, prepared, translation.answer), 200
         except Dropped:
             record.outcome = "dropped"
             return 499, b""  # nginx's "client closed request"; nobody reads it
+        except FormatError as exc:
+            body, status = encode(wire.error_body(exc.status, str(exc), exc.param)), exc.status
         except ContractError as exc:
-            body, status = encode({"detail": str(exc)}), 422
+            message, param = wire.native_param(str(exc))
+            status = wire.refusal_status
+            body = encode(wire.error_body(status, message, param))
         except Exception:
             log.exception("request %s: inference failed", record.request_id)
-            body, status = encode({"detail": "inference failed"}), 500
+            body, status = encode(wire.error_body(500, "inference failed", None)), 500
         if ticket.gone.is_set():
             record.outcome = "client gone"
         return status, body
+
+    def _prepare_translated(self, work: tuple[dict, Wire]) -> tuple[Prepared, Translation]:
+        obj, wire = work
+        translation = wire.translate(obj)
+        return self.engine.prepare(translation.native), translation
 
     def split(self) -> bool:
         """Whether the engine has `readouts` and `respond` (see `Engine`)."""
@@ -486,38 +414,39 @@ class Worker:
             getattr(engine, "respond", None)
         )
 
-    async def execute(self, ticket: Ticket, prepared: Prepared) -> bytes:
-        """The response JSON of a prepared request. With a split engine the execution thread
-        runs only the passes; heads, finishing and the JSON run on a responding thread while
-        the next request's passes run (issue 13), with the same answer bytes as `execute`."""
+    async def execute(
+        self, ticket: Ticket, prepared: Prepared, answer: Callable[[dict], dict] = unchanged
+    ) -> bytes:
+        """The response JSON of a prepared request, through `answer` (a format's translation).
+        With a split engine the execution thread runs only the passes; heads, finishing and the
+        JSON run on a responding thread while the next request's passes run (issue 13), with the
+        same answer bytes as `execute`."""
         if not self.split():
             response = await self.scheduler.execute(ticket, self.engine.execute, prepared)
-            return encode(response)
+            return encode(answer(response))
         passes = await self.scheduler.execute(ticket, self._readouts, prepared)
-        return await self.scheduler.respond(ticket, self._respond, (prepared, *passes))
+        return await self.scheduler.respond(ticket, self._respond, (prepared, *passes, answer))
 
     def _readouts(self, prepared: Prepared) -> tuple[Any, float]:
         started = time.perf_counter()
         readouts = self.engine.readouts(prepared)  # type: ignore[attr-defined]
         return readouts, time.perf_counter() - started
 
-    def _respond(self, work: tuple[Prepared, Any, float]) -> bytes:
-        prepared, readouts, seconds = work
-        return encode(self.engine.respond(prepared, readouts, seconds))  # type: ignore[attr-defined]
+    def _respond(self, work: tuple[Prepared, Any, float, Callable[[dict], dict]]) -> bytes:
+        prepared, readouts, seconds, answer = work
+        return encode(answer(self.engine.respond(prepared, readouts, seconds)))  # type: ignore[attr-defined]
 
 
 def documented_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """The app's OpenAPI document with DecisionRequest as the body of POST /v1/systemone."""
+    """The app's OpenAPI document with each decision route's request model as its body."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
-            schema = DecisionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
-            schemas.update(schema.pop("$defs", {}))
-            schemas["DecisionRequest"] = schema
+            schemas.update(request_schemas())
             app.openapi_schema = document
         return app.openapi_schema
 
@@ -577,50 +506,64 @@ def create_app(
     app.router.redirect_slashes = False  # `/v1/systemone/` is 404, never a redirect
     app.state.draining = draining
     hosts = allowed_hosts_from_env() if allowed_hosts is None else tuple(allowed_hosts)
-    app.add_middleware(Guard, allowed_hosts=hosts)
+    app.add_middleware(Guard, allowed_hosts=hosts, wires=WIRES)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: every answer gets its id
     app.openapi = documented_openapi(app)  # type: ignore[method-assign]
 
-    @app.post(
-        DECISION_PATH,
-        responses=DECISION_RESPONSES,
-        openapi_extra={"requestBody": DECISION_BODY},
-    )
-    async def decide(request: Request) -> Response:
-        """Answer the questions about the image (docs/contract.md §2-3)."""
-        record: RequestRecord = request.state.record
-        large = is_large(request)
-        if large and not await slots.take(upload_wait_s):
-            record.admission = "uploads busy"
-            metrics.rejections.inc()
-            # uvicorn reads and drops a body of known length after the answer, so that the
-            # client reads the 503; one without a length may never end, so its connection closes
-            chunked = not request.headers.get("content-length", "").isdigit()
-            close = {"Connection": "close"} if chunked else {}
-            return error(503, "the worker is busy", {**RETRY_AFTER, **close})
-        try:
-            obj = await read_and_parse(request, record, large)
-        finally:
-            if large:
-                slots.give_back()
-                with contextlib.suppress(RuntimeError):  # the pool is shut down at exit
-                    asyncio.get_running_loop().run_in_executor(slots.large_pool, memory.trim)
-        if isinstance(obj, Response):
-            return obj
-        if worker.state == "warm-up failed":
-            return error(503, "the worker failed to warm up")
-        if worker.state != "ready":
-            return error(503, "the worker is warming up", RETRY_AFTER)
-        ticket = scheduler.admit(lambda ticket: worker.answer(ticket, obj, record))
-        if ticket is None:
-            metrics.rejections.inc()
-            record.admission = "rejected"
-            return error(503, "the worker is busy", RETRY_AFTER)
-        metrics.admissions.inc()
-        record.admission = "admitted"
-        return await finish(request, ticket, record)
+    def decision_route(wire: Wire) -> Callable[[Request], Awaitable[Response]]:
+        """The endpoint of one decision route: every route has the same body limit, upload
+        slots, deadlines, strict JSON and admission; `wire` translates its format."""
 
-    async def read_and_parse(request: Request, record: RequestRecord, large: bool) -> Any:
+        async def decide(request: Request) -> Response:
+            record: RequestRecord = request.state.record
+            large = is_large(request)
+            if large and not await slots.take(upload_wait_s):
+                record.admission = "uploads busy"
+                metrics.rejections.inc()
+                # uvicorn reads and drops a body of known length after the answer, so that the
+                # client reads the 503; one without a length may never end, so its connection
+                # closes
+                chunked = not request.headers.get("content-length", "").isdigit()
+                close = {"Connection": "close"} if chunked else {}
+                return wire_error(wire, 503, "the worker is busy", {**RETRY_AFTER, **close})
+            try:
+                obj = await read_and_parse(request, record, large, wire)
+            finally:
+                if large:
+                    slots.give_back()
+                    with contextlib.suppress(RuntimeError):  # the pool is shut down at exit
+                        asyncio.get_running_loop().run_in_executor(slots.large_pool, memory.trim)
+            if isinstance(obj, Response):
+                return obj
+            if worker.state == "warm-up failed":
+                return wire_error(wire, 503, "the worker failed to warm up")
+            if worker.state != "ready":
+                return wire_error(wire, 503, "the worker is warming up", RETRY_AFTER)
+            ticket = scheduler.admit(lambda ticket: worker.answer(ticket, obj, record, wire))
+            if ticket is None:
+                metrics.rejections.inc()
+                record.admission = "rejected"
+                return wire_error(wire, 503, "the worker is busy", RETRY_AFTER)
+            metrics.admissions.inc()
+            record.admission = "admitted"
+            return await finish(request, ticket, record)
+
+        return decide
+
+    for wire in WIRES:
+        app.add_api_route(
+            wire.path,
+            decision_route(wire),
+            methods=["POST"],
+            summary=ROUTE_SUMMARIES[wire.path],
+            description=ROUTE_DOCS[wire.path],
+            responses=route_responses(wire.path),
+            openapi_extra={"requestBody": request_body(wire.path)},
+        )
+
+    async def read_and_parse(
+        request: Request, record: RequestRecord, large: bool, wire: Wire
+    ) -> Any:
         """The parsed body, or the error response: 499, 408, 503 (draining), 413 or 400."""
         try:
             body = await read_body(request, body_read_s, draining)
@@ -630,16 +573,16 @@ def create_app(
         except BodyTimeout:
             record.outcome = "body read deadline"
             detail = f"request body not complete within {body_read_s:g} s"
-            return error(408, detail, {"Connection": "close"})
+            return wire_error(wire, 408, detail, {"Connection": "close"})
         except Draining:
             record.outcome = "shutting down"
-            return error(503, "the worker is shutting down", {"Connection": "close"})
+            return wire_error(wire, 503, "the worker is shutting down", {"Connection": "close"})
         if body is None:  # the rest of the body may still be on its way, so close after
-            return error(413, "request body exceeds 12 MiB", {"Connection": "close"})
+            return wire_error(wire, 413, "request body exceeds 12 MiB", {"Connection": "close"})
         try:
             return await slots.parse(body, large)
         except BodyError as exc:
-            return error(400, str(exc))
+            return wire_error(wire, 400, str(exc))
 
     async def finish(request: Request, ticket: Ticket, record: RequestRecord) -> Response:
         """Await the admitted work; if the client goes away, the work goes on or is dropped."""
@@ -659,6 +602,12 @@ def create_app(
         if worker.state == "ready":
             return JSONResponse({"status": "ready", "model": engine.model_id})
         return JSONResponse({"status": worker.state}, status_code=503)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> JSONResponse:
+        """The served model, as OpenAI-style servers list theirs."""
+        card = {"id": engine.model_id, "object": "model", "created": CREATED, "owned_by": "omnijev"}
+        return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:

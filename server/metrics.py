@@ -25,6 +25,8 @@ from server import memory
 from server.admission import Scheduler
 
 DECISION_PATH = "/v1/systemone"  # docs/contract.md §1.3
+# the decision routes counted in the metrics: the native one and the formats' (server.formats)
+DECISION_PATHS = (DECISION_PATH, "/typesafe/v1/systemone", "/v1/decisions")
 STAGES = ("prepare", "queue_wait", "execute", "total")
 # seconds; one question takes ~0.16 s and a 16-deep queue of 255-option requests minutes
 # (docs/anchors.md §2, docs/contract.md §1.6)
@@ -113,7 +115,7 @@ class Metrics:
             log.debug(record.log_line())
             return
         log.info(record.log_line())
-        if record.path != DECISION_PATH:
+        if record.path not in DECISION_PATHS:
             return
         self.requests.labels(str(record.status)).inc()
         if record.status == 200:

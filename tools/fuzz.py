@@ -3,7 +3,9 @@
 Starts `omnijev serve` on the demo's tiny model (or uses a running worker), then: HTTP-level
 abuse, malformed bodies with good requests among them, hostile images, a flood of 12 MiB bodies
 under a good request's latency, 1,000 valid requests up to the longest prompts the contract
-allows, stalled clients, and SIGTERM with stalled clients and work in flight. Prints one JSON
+allows, stalled clients, schemathesis' every check on every route of the OpenAPI document, and
+SIGTERM with stalled clients and work in flight. The malformed bodies go to the three decision
+routes in turn. Prints one JSON
 report; exits 1 if an acceptance bound of issue 14 failed.
 """
 
@@ -34,11 +36,14 @@ import httpx
 from PIL import Image
 
 DECIDE = "/v1/systemone"
+# every decision route: the malformed bodies go to each in turn (server.formats)
+ROUTES = (DECIDE, "/typesafe/v1/systemone", "/v1/decisions")
 JSON_HEADERS = {"Content-Type": "application/json"}
 MODEL_ID = "tinnel123/OmniJev"
 MiB = 1024 * 1024
 MAX_BODY = 12 * MiB  # docs/contract.md §1.4
-OK_STATUSES = {200, 400, 408, 413, 415, 422, 431, 503}  # never 500, never a reset
+# never 500, never a reset; 404 is /v1/decisions' unknown model
+OK_STATUSES = {200, 400, 404, 408, 413, 415, 422, 431, 503}
 CLIENTS = 8  # concurrent senders of malformed bodies
 GOOD_EVERY = 50  # one good request among this many malformed ones
 PROGRESS_EVERY = 1000  # a progress line every this many malformed bodies
@@ -339,8 +344,8 @@ class Run:
         self.failures: list[str] = []
         self.report: dict = {"seed": seed}
 
-    def post(self, client: httpx.Client, body: bytes) -> httpx.Response:
-        return client.post(DECIDE, content=body, headers=JSON_HEADERS)
+    def post(self, client: httpx.Client, body: bytes, path: str = DECIDE) -> httpx.Response:
+        return client.post(path, content=body, headers=JSON_HEADERS)
 
     def check(self, status: int, what: str) -> None:
         if status not in OK_STATUSES:
@@ -378,7 +383,8 @@ class Run:
             with httpx.Client(base_url=self.url, timeout=120) as client:
                 for index, body in enumerate(batch):
                     try:
-                        status = self.post(client, body).status_code
+                        route = ROUTES[index % len(ROUTES)]
+                        status = self.post(client, body, route).status_code
                     except httpx.TransportError as error:
                         status = -1
                         self.failures.append(f"malformed body: {type(error).__name__}")
@@ -403,6 +409,17 @@ class Run:
             "statuses": dict(sorted(statuses.items())),
             "good_requests_differing": mismatched,
         }
+
+    def schemathesis(self, seed: int) -> None:
+        """schemathesis' every check against the worker's OpenAPI document (schemathesis.toml)."""
+        command = [str(Path(sys.executable).with_name("st")), "run", "--checks", "all"]
+        command += ["--seed", str(seed), "--no-color", f"{self.url}/openapi.json"]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        summary = [line for line in done.stdout.splitlines() if "generated" in line]
+        self.report["schemathesis"] = {"exit_status": done.returncode, "summary": summary}
+        if done.returncode != 0:
+            print(done.stdout[-4000:], flush=True)
+            self.failures.append("schemathesis found failures")
 
     def raw(self) -> None:
         host = self.url.removeprefix("http://")
@@ -635,6 +652,7 @@ def run(
         ("flood", lambda: abuse.flood(flood_s)),
         ("valid", lambda: abuse.valid(valid)),
         ("stalled", lambda: abuse.stalled(stalled)),
+        ("schemathesis", lambda: abuse.schemathesis(seed)),
     ]
     for name, step in steps:
         if phases(name):
@@ -663,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the report here")
     parser.add_argument(
         "--phases",
-        default="raw,malformed,images,valid,flood,stalled,sigterm",
+        default="raw,malformed,images,valid,flood,stalled,schemathesis,sigterm",
         help="which phases to run, comma-separated",
     )
     args = parser.parse_args(argv)
