@@ -452,7 +452,8 @@ DECISIONS_STATUSES = {
 }
 del DECISIONS_STATUSES[422]
 ROUTE_DOCS = {
-    NATIVE_PATH: "Answer the questions about the image (the native contract, docs/contract.md §2-3).",
+    NATIVE_PATH: "Answer the questions about the image "
+    "(the native contract, docs/contract.md §2-3).",
     typesafe.PATH: "The TypeSafe System One format: the `system-one` SDK with base_url "
     "`http://host:port/typesafe`. Several images are tiled into one numbered panel.",
     decisions.PATH: "OpenAI's Decisions API: `client.decisions.create` with `input_image` parts. "
