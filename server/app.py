@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, NamedTuple, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -290,6 +290,33 @@ async def collect_body(request: Request) -> bytes | None:
     return b"".join(chunks) if size <= MAX_BODY else None
 
 
+class Refusal(NamedTuple):
+    """A body not read: the answer to give, and the outcome to log."""
+
+    response: Response
+    outcome: str | None
+
+
+async def body_or_refusal(
+    request: Request, deadline_s: float, draining: asyncio.Event
+) -> bytes | Refusal:
+    """The body, or why it was not read: 499 (client gone), 408 (deadline), 503 (draining) or
+    413 (over 12 MiB)."""
+    close = {"Connection": "close"}
+    try:
+        body = await read_body(request, deadline_s, draining)
+    except ClientDisconnect:
+        return Refusal(Response(status_code=499), "client gone")
+    except BodyTimeout:
+        detail = f"request body not complete within {deadline_s:g} s"
+        return Refusal(error(408, detail, close), "body read deadline")
+    except Draining:
+        return Refusal(error(503, "the worker is shutting down", close), "shutting down")
+    if body is None:  # the rest of the body may still be on its way, so close after
+        return Refusal(error(413, "request body exceeds 12 MiB", close), None)
+    return body
+
+
 def is_large(request: Request) -> bool:
     """A body declared over LARGE_BODY, or sent without a length (chunked)."""
     declared = request.headers.get("content-length", "")
@@ -549,7 +576,7 @@ def create_app(
     `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
     """
     scheduler = Scheduler(admitted, preparing)
-    metrics = Metrics(scheduler)
+    metrics = Metrics(scheduler, engine)
     worker = Worker(engine, scheduler, warm_ups)
     slots = Uploads(uploads)
     draining = asyncio.Event()  # set by ListeningServer when shutdown begins
@@ -575,6 +602,7 @@ def create_app(
     )
     app.router.redirect_slashes = False  # `/v1/systemone/` is 404, never a redirect
     app.state.draining = draining
+    app.state.worker = worker  # its warm-up state, for server.ray_serve's health check
     hosts = allowed_hosts_from_env() if allowed_hosts is None else tuple(allowed_hosts)
     app.add_middleware(Guard, allowed_hosts=hosts)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: every answer gets its id
@@ -621,20 +649,10 @@ def create_app(
 
     async def read_and_parse(request: Request, record: RequestRecord, large: bool) -> Any:
         """The parsed body, or the error response: 499, 408, 503 (draining), 413 or 400."""
-        try:
-            body = await read_body(request, body_read_s, draining)
-        except ClientDisconnect:
-            record.outcome = "client gone"
-            return Response(status_code=499)
-        except BodyTimeout:
-            record.outcome = "body read deadline"
-            detail = f"request body not complete within {body_read_s:g} s"
-            return error(408, detail, {"Connection": "close"})
-        except Draining:
-            record.outcome = "shutting down"
-            return error(503, "the worker is shutting down", {"Connection": "close"})
-        if body is None:  # the rest of the body may still be on its way, so close after
-            return error(413, "request body exceeds 12 MiB", {"Connection": "close"})
+        body = await body_or_refusal(request, body_read_s, draining)
+        if isinstance(body, Refusal):
+            record.outcome = body.outcome
+            return body.response
         try:
             return await slots.parse(body, large)
         except BodyError as exc:
