@@ -11,25 +11,26 @@ replica (`PIN` + its id) goes to that replica alone (the ingress's per-replica /
 
 from __future__ import annotations
 
-from typing import ClassVar
+import importlib
 
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 PIN = "replica="  # a session id naming the replica that must answer
+# deployment name -> the replica ids this process's router routes to now (the ingress reads them
+# to scrape each replica)
+LIVE: dict[str, tuple[str, ...]] = {}
 
 
 class ImageRouter(ConsistentHashRouter):
     """Consistent hashing over the healthy replicas by image; the least loaded without one."""
 
-    # deployment name -> the replica ids this process's routers route to now (the ingress
-    # process reads them to scrape each replica)
-    live: ClassVar[dict[str, tuple[str, ...]]] = {}
-
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         ids = tuple(sorted(replica.replica_id.unique_id for replica in replicas))
-        ImageRouter.live[self._deployment_id.name] = ids
+        # Ray ships this module to the router by value, so the class's own globals are a copy's:
+        # the registry the ingress reads is the imported module's
+        importlib.import_module(__name__).LIVE[self._deployment_id.name] = ids
 
     async def choose_replicas(
         self,
@@ -53,4 +54,4 @@ class ImageRouter(ConsistentHashRouter):
 
 def replica_ids(deployment: str) -> tuple[str, ...]:
     """The ids of `deployment`'s replicas as this process's router last saw them."""
-    return ImageRouter.live.get(deployment, ())
+    return LIVE.get(deployment, ())

@@ -12,8 +12,8 @@ concatenates every replica's metrics with a `replica` label. Started by `omnijev
 on one host, or by `serve run server/ray_serve.yaml` on a cluster (docs/ray-serve.md).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI reads the ingress routes' annotations as
+# objects once Ray has rebound them to the class
 import asyncio
 import hashlib
 import logging
@@ -197,6 +197,42 @@ class Worker:
         await self.lifespan.shutdown()  # admitted work finishes first
 
 
+def worker_status() -> str:
+    """The worker deployment's status in this replica's application (Ray's controller)."""
+    app = serve.get_replica_context().app_name
+    deployments = serve.status().applications[app].deployments
+    return str(deployments[WORKER].status.value)
+
+
+class Replicated:
+    """Prometheus metric families gathered from several replicas (a collector)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def labelled(texts: dict[str, bytes]) -> bytes:
+    """Prometheus texts of several replicas as one, each sample labelled `replica`."""
+    families: dict[str, Metric] = {}
+    for replica, text in texts.items():
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            for sample in family.samples:
+                merged.samples.append(sample._replace(labels={**sample.labels, "replica": replica}))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Replicated(list(families.values())))
+    return generate_latest(registry)
+
+
+# serve.ingress freezes the app with a copy of what its routes use: defined above it
 # the ingress's own routes: /health and /metrics for the deployment, every other request is
 # forwarded; no documentation routes of its own (the replicas' are forwarded)
 ingress_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -258,41 +294,6 @@ class Ingress:
             except RayActorError:
                 log.warning("a replica died answering; attempt %d of %d", attempt + 1, RETRIES + 1)
         return error(503, "the replica answering failed", RETRY_AFTER)
-
-
-def worker_status() -> str:
-    """The worker deployment's status in this replica's application (Ray's controller)."""
-    app = serve.get_replica_context().app_name
-    deployments = serve.status().applications[app].deployments
-    return str(deployments[WORKER].status.value)
-
-
-class Replicated:
-    """Prometheus metric families gathered from several replicas (a collector)."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> list[Metric]:
-        return self.families
-
-
-def labelled(texts: dict[str, bytes]) -> bytes:
-    """Prometheus texts of several replicas as one, each sample labelled `replica`."""
-    families: dict[str, Metric] = {}
-    for replica, text in texts.items():
-        for family in text_string_to_metric_families(text.decode()):
-            merged = families.setdefault(
-                family.name, Metric(family.name, family.documentation, family.type, family.unit)
-            )
-            for sample in family.samples:
-                merged.samples.append(sample._replace(labels={**sample.labels, "replica": replica}))
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Replicated(list(families.values())))
-    return generate_latest(registry)
 
 
 @dataclass(frozen=True)
