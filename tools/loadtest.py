@@ -70,18 +70,16 @@ class Client(threading.Thread):
 
 def run_load(
     url: str,
-    body: bytes | list[bytes],
+    body: bytes,
     clients: int = CLIENTS,
     seconds: float = SECONDS,
     warm_up: float = WARM_UP_SECONDS,
     headers: dict[str, str] | None = None,
 ) -> dict:
-    """Requests/s and latency of `clients` closed-loop clients over `seconds` after `warm_up`;
-    with several bodies, client i posts body i modulo their number."""
+    """Requests/s and latency of `clients` closed-loop clients over `seconds` after `warm_up`."""
     sent = {"Content-Type": "application/json", **(headers or {})}
     clock = {"start": float("inf"), "end": float("inf")}
-    bodies = [body] if isinstance(body, bytes) else body
-    workers = [Client(url, bodies[i % len(bodies)], sent, clock) for i in range(clients)]
+    workers = [Client(url, body, sent, clock) for _ in range(clients)]
     for worker in workers:
         worker.start()
     time.sleep(warm_up)
@@ -123,15 +121,14 @@ def summary(report: dict) -> str:
     )
 
 
-def bench_body(workload: str, seed: int = 1) -> bytes:
-    """`omnijev bench`'s request for a workload: the screen still as PNG (contract.md §12.2);
-    another `seed` draws another still of the same size."""
+def bench_body(workload: str) -> bytes:
+    """`omnijev bench`'s request for a workload: the screen still as PNG (contract.md §12.2)."""
     from tools.bench import BENCH_SIZE, body, encode, screen_image, workloads
 
     loads = workloads()
     if workload not in loads:
         raise SystemExit(f"unknown workload {workload!r}; one of {sorted(loads)}")
-    return body(encode(screen_image(*BENCH_SIZE, seed=seed), "PNG"), "image/png", loads[workload])
+    return body(encode(screen_image(*BENCH_SIZE, seed=1), "PNG"), "image/png", loads[workload])
 
 
 def parse_headers(values: list[str]) -> dict[str, str]:
@@ -153,13 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         "--workload",
         help="a bench workload on the 1600×900 PNG still instead, e.g. '12 questions'",
     )
-    parser.add_argument(
-        "--images",
-        type=int,
-        default=1,
-        help="with --workload: this many different stills, client i posting still i mod N "
-        "(replicas routed by image share the load only when the images differ)",
-    )
     parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--warm-up", type=float, default=WARM_UP_SECONDS)
@@ -167,10 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--header", action="append", default=[], help="extra 'Name: value'")
     parser.add_argument("--out", default=None, help="write the report(s) as JSON")
     args = parser.parse_args(argv)
-    if args.request:
-        body: bytes | list[bytes] = Path(args.request).read_bytes()
-    else:
-        body = [bench_body(args.workload, seed) for seed in range(1, args.images + 1)]
+    body = Path(args.request).read_bytes() if args.request else bench_body(args.workload)
     headers = parse_headers(args.header)
     reports = []
     for clients in ([1] if args.single else []) + [args.clients]:
