@@ -435,8 +435,8 @@ def cli_serve(args: Any) -> int:
         allowed_hosts=args.allowed_host or None,
         docs=not args.no_docs,
     )
-    # one host: Ray's own ports on the loopback interface and no dashboard (docs/ray-serve.md)
-    local = {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+    # one host: no dashboard; Ray's own ports need the session's token (docs/ray-serve.md)
+    local = {"include_dashboard": False}
     ray.init(address=args.ray_address, **({} if args.ray_address else local))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -65,7 +65,7 @@ def deployment(engines: tuple[Path, Path]) -> Iterator[str]:
     sock = listening_socket()
     port = sock.getsockname()[1]
     sock.close()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(num_cpus=2, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         replicas = Replicas(count=REPLICAS, cpus=0.5)
