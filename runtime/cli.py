@@ -24,6 +24,9 @@ COMMANDS = {
     "demo": ("tools.demo", "cli_demo", "build the tiny demo model and serve it on the CPU"),
 }
 
+# `omnijev serve --replicas N`: the same app as replicas on Ray Serve
+REPLICATED_SERVE = ("server.ray_serve", "cli_serve")
+
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     """Each command's options, declared here so that `omnijev --help` lists them all."""
@@ -113,6 +116,35 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--no-docs", action="store_true", help="no /docs, /redoc or /openapi.json"
         )
+        replicas = parser.add_argument_group(
+            "replicas on Ray Serve (docs/ray-serve.md; without --replicas, one process)"
+        )
+        replicas.add_argument(
+            "--replicas", type=int, default=None, metavar="N", help="worker replicas (at least)"
+        )
+        replicas.add_argument(
+            "--max-replicas", type=int, default=None, metavar="M", help="autoscale up to M"
+        )
+        replicas.add_argument(
+            "--target-ongoing",
+            type=float,
+            default=8.0,
+            help="ongoing requests a replica that autoscaling aims at (default 8)",
+        )
+        replicas.add_argument(
+            "--replica-gpus",
+            type=float,
+            default=None,
+            help="GPUs a replica holds; 0.5 puts two on one GPU (default 1 on CUDA, else 0)",
+        )
+        replicas.add_argument(
+            "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves a replica"
+        )
+        replicas.add_argument(
+            "--ray-address",
+            default=None,
+            help="a running Ray cluster ('auto': this host's); default: start Ray here",
+        )
     if name in ("serve", "demo"):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
@@ -129,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, function_name, _ = COMMANDS[args.command]
+    if args.command == "serve" and args.replicas is not None:
+        module_name, function_name = REPLICATED_SERVE
     function = getattr(importlib.import_module(module_name), function_name)
     return int(function(args) or 0)
 

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -200,6 +200,36 @@ async def collect_body(request: Request) -> bytes | None:
         else:
             chunks.clear()
     return b"".join(chunks) if size <= MAX_BODY else None
+
+
+class Refusal(NamedTuple):
+    """A body not read: the answer to give, and the outcome to log."""
+
+    response: Response
+    outcome: str | None
+
+
+async def body_or_refusal(
+    request: Request,
+    deadline_s: float,
+    draining: asyncio.Event,
+    refuse: Callable[..., Response] = error,
+) -> bytes | Refusal:
+    """The body, or why it was not read: 499 (client gone), 408 (deadline), 503 (draining) or
+    413 (over 12 MiB), each refusal made by `refuse` (the route's error shape)."""
+    close = {"Connection": "close"}
+    try:
+        body = await read_body(request, deadline_s, draining)
+    except ClientDisconnect:
+        return Refusal(Response(status_code=499), "client gone")
+    except BodyTimeout:
+        detail = f"request body not complete within {deadline_s:g} s"
+        return Refusal(refuse(408, detail, close), "body read deadline")
+    except Draining:
+        return Refusal(refuse(503, "the worker is shutting down", close), "shutting down")
+    if body is None:  # the rest of the body may still be on its way, so close after
+        return Refusal(refuse(413, "request body exceeds 12 MiB", close), None)
+    return body
 
 
 def is_large(request: Request) -> bool:
@@ -479,7 +509,7 @@ def create_app(
     `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
     """
     scheduler = Scheduler(admitted, preparing)
-    metrics = Metrics(scheduler)
+    metrics = Metrics(scheduler, engine)
     worker = Worker(engine, scheduler, warm_ups)
     slots = Uploads(uploads)
     draining = asyncio.Event()  # set by ListeningServer when shutdown begins
@@ -505,6 +535,7 @@ def create_app(
     )
     app.router.redirect_slashes = False  # `/v1/systemone/` is 404, never a redirect
     app.state.draining = draining
+    app.state.worker = worker  # its warm-up state, for server.ray_serve's health check
     hosts = allowed_hosts_from_env() if allowed_hosts is None else tuple(allowed_hosts)
     app.add_middleware(Guard, allowed_hosts=hosts, wires=WIRES)
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: every answer gets its id
@@ -565,20 +596,12 @@ def create_app(
         request: Request, record: RequestRecord, large: bool, wire: Wire
     ) -> Any:
         """The parsed body, or the error response: 499, 408, 503 (draining), 413 or 400."""
-        try:
-            body = await read_body(request, body_read_s, draining)
-        except ClientDisconnect:
-            record.outcome = "client gone"
-            return Response(status_code=499)
-        except BodyTimeout:
-            record.outcome = "body read deadline"
-            detail = f"request body not complete within {body_read_s:g} s"
-            return wire_error(wire, 408, detail, {"Connection": "close"})
-        except Draining:
-            record.outcome = "shutting down"
-            return wire_error(wire, 503, "the worker is shutting down", {"Connection": "close"})
-        if body is None:  # the rest of the body may still be on its way, so close after
-            return wire_error(wire, 413, "request body exceeds 12 MiB", {"Connection": "close"})
+        body = await body_or_refusal(
+            request, body_read_s, draining, functools.partial(wire_error, wire)
+        )
+        if isinstance(body, Refusal):
+            record.outcome = body.outcome
+            return body.response
         try:
             return await slots.parse(body, large)
         except BodyError as exc:

@@ -19,7 +19,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server import memory
 from server.admission import Scheduler
@@ -65,7 +65,7 @@ class RequestRecord:
 class Metrics:
     """The worker's metrics in a registry of its own, so that several apps share a process."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, engine: object = None) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(
@@ -104,6 +104,7 @@ class Metrics:
             "omnijev_resident_memory_bytes", "resident set size of the worker", registry=registry
         ).set_function(memory.rss_bytes)
         registry.register(CudaMemory())
+        registry.register(PrefixCache(engine))
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -143,3 +144,27 @@ class CudaMemory:
         for kind, size in sizes.items():
             family.add_metric([kind], size)
         return [family]
+
+
+class PrefixCache:
+    """The image-prefix cache's hits and misses (runtime.executor); nothing for an engine
+    without one. Replicas that share an image's traffic show it here (server.ray_serve)."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list[CounterMetricFamily]:
+        cache = getattr(self.engine, "prefix_cache", None)
+        if cache is None:
+            return []
+        families = []
+        for outcome in ("hits", "misses"):
+            family = CounterMetricFamily(
+                f"omnijev_prefix_cache_{outcome}", f"image prefixes looked up: {outcome}"
+            )
+            family.add_metric([], getattr(cache, outcome))
+            families.append(family)
+        return families
