@@ -37,9 +37,9 @@ KERNEL_CHECK = textwrap.dedent(
     for b, heads, kv_heads, t, hd, p, past, shared in cases:
         if b > CHUNK_MAX_ROWS:
             tile = query_tile(heads // kv_heads, t)
-            one_tile = heads // kv_heads * t <= tile
+            tiles = -(-heads // kv_heads * t // tile)
             assert pass_chunk(b) == 0
-            assert (shared_rows(b, 1, tile, 0) >= 2) == one_tile
+            assert (shared_rows(b, tiles, tile) >= 2) == (tiles == 1)
         q = torch.randn(b, t, heads, hd).transpose(1, 2)  # views, as mix gives them
         k, v = (torch.randn(b, t, kv_heads, hd).transpose(1, 2) for _ in range(2))
         shared_k, shared_v = torch.randn(1, kv_heads, p, hd), torch.randn(1, kv_heads, p, hd)

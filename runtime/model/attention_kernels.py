@@ -288,12 +288,12 @@ def pass_chunk(rows: int) -> int:
     return CHUNK_KEYS if rows <= CHUNK_MAX_ROWS else 0
 
 
-def shared_rows(rows: int, tiles: int, tile: int, chunk: int) -> int:
+def shared_rows(rows: int, tiles: int, tile: int) -> int:
     """Rows a `_shared_rows_kernel` program takes in a pass of `rows` rows (0: that kernel is
     not used): passes of more than CHUNK_MAX_ROWS rows (one question's, alone) read in one
     program (no chunks), each row in one query tile, SHARED_ROWS // tile rows of them a
     program where that is two or more."""
-    if chunk or rows <= CHUNK_MAX_ROWS or tiles != 1:
+    if rows <= CHUNK_MAX_ROWS or tiles != 1:
         return 0
     count = SHARED_ROWS // tile
     return count if count >= 2 else 0
@@ -325,7 +325,7 @@ def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> tor
     keys_per_step, warps = TILES[tile]
     tiles = triton.cdiv(group * t, tile)
     mask = mask.contiguous()
-    rows_a_program = shared_rows(b, tiles, tile, chunk)
+    rows_a_program = shared_rows(b, tiles, tile)
     chunks = triton.cdiv(p, chunk) + 1 if chunk else 1
     grid = (tiles, b * kv_heads, chunks)
     pieces = tiles * b * kv_heads * chunks if chunk else 0
