@@ -1,9 +1,8 @@
 """The torch backend's attention kernel (runtime.model.attention_kernels), in one program or in
 chunks of the shared keys, and the image prefix's pass by fused attention, against the eager
-grouped attention, and a row's bytes alone,
-among others and reversed; run by Triton's interpreter on the CPU in float32 (Triton is a dev
-dependency; its interpreter's BF16 dots are not exact: scripts/gpu_torch.py checks BF16 on the
-H200), skipped where Triton is missing."""
+grouped attention, and a row's bytes alone, among others and reversed; run by Triton's
+interpreter on the CPU in float32 (Triton is a dev dependency; its interpreter's BF16 dots are
+not exact: scripts/gpu_torch.py checks BF16 on the H200), skipped where Triton is missing."""
 
 from __future__ import annotations
 
@@ -16,28 +15,31 @@ from tests.interpreted import run_interpreted
 KERNEL_CHECK = textwrap.dedent(
     """
     import torch
-    from functools import partial
 
-    from runtime.model import attention_kernels
-    from runtime.model.attention_kernels import attend_rows, shared_rows
+    from runtime.model.attention_kernels import (
+        CHUNK_KEYS, CHUNK_MAX_ROWS, pass_chunk, query_tile, rows_attention, shared_rows)
     from runtime.model.language import grouped_attention
 
     torch.manual_seed(0)
     worst = 0.0
-    # (rows, query heads, KV heads, tokens, head dim, shared keys, past keys, one past source);
-    # with CHUNK_MAX_ROWS 0 every pass reads as one question's large pass does: the shared
-    # keys for several rows a program (2 or 4 here), then each row's past and own keys
+    large = CHUNK_MAX_ROWS + 2
+    # (rows, query heads, KV heads, tokens, head dim, shared keys, past keys, one past source):
+    # passes of up to CHUNK_MAX_ROWS rows in chunks of the shared keys (one chunk, three); the
+    # image prefix's pass; larger passes (one question's, alone) in one program for every key,
+    # the shared keys for several rows a program (4 or 2 here), or for one where a row's
+    # queries take two tiles
     cases = [
-        (3, 4, 2, 5, 32, 7, 3, False), (2, 8, 2, 8, 64, 70, 16, True),
+        (3, 4, 2, 5, 32, 7, 3, False), (2, 8, 2, 8, 64, 2 * CHUNK_KEYS + 9, 16, True),
         (1, 4, 2, 40, 32, 1, 1, True),
+        (large, 4, 2, 5, 32, 7, 3, False), (large, 8, 2, 8, 64, 70, 16, True),
+        (large, 8, 2, 20, 32, 30, 3, False),
     ]
-    for max_rows, b, heads, kv_heads, t, hd, p, past, shared in [
-        (m, *case) for m in (attention_kernels.CHUNK_MAX_ROWS, 0) for case in cases
-    ]:
-        attention_kernels.CHUNK_MAX_ROWS = max_rows
-        if max_rows == 0 and p > 1:
-            tile = attention_kernels.query_tile(heads // kv_heads, t)
-            assert shared_rows(b, 1, tile, 0) >= 2
+    for b, heads, kv_heads, t, hd, p, past, shared in cases:
+        if b > CHUNK_MAX_ROWS:
+            tile = query_tile(heads // kv_heads, t)
+            tiles = -(-heads // kv_heads * t // tile)
+            assert pass_chunk(b) == 0
+            assert (shared_rows(b, tiles, tile) >= 2) == (tiles == 1)
         q = torch.randn(b, t, heads, hd).transpose(1, 2)  # views, as mix gives them
         k, v = (torch.randn(b, t, kv_heads, hd).transpose(1, 2) for _ in range(2))
         shared_k, shared_v = torch.randn(1, kv_heads, p, hd), torch.randn(1, kv_heads, p, hd)
@@ -58,22 +60,20 @@ KERNEL_CHECK = textwrap.dedent(
         mask = torch.cat([seen[:, None].expand(-1, t, -1), own], dim=-1)
         args = (q, shared_k, shared_v, past_k, past_v, k, v, mask)
         expected = grouped_attention(*args, 0.3)
-        for chunk in (0, 4, 16, None):  # one program for every key; chunks; the default
-            attend = partial(attend_rows, chunk=chunk)
-            got = attend(*args, 0.3)
-            # over valid tokens: a padding token's output is never read
-            worst = max(worst, float((got - expected)[valid].abs().max()))
-            alone = attend(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
-            back = torch.arange(b - 1, -1, -1)
-            flipped = attend(*(x[back] if x.shape[0] == b else x for x in args), 0.3)
-            if max_rows:
-                assert torch.equal(alone, got[:1]), "a row alone differs"
-                assert torch.equal(flipped, got[back]), "reversed rows differ"
-            else:  # several rows in one product: the interpreter's products are NumPy's,
-                # whose blocking rounds a row by where it sits (the H200 check is byte for
-                # byte: scripts/gpu_torch.py `attention_kernel_check`, 256 rows)
-                assert torch.allclose(alone, got[:1], rtol=0, atol=1e-5), "a row alone differs"
-                assert torch.allclose(flipped, got[back], rtol=0, atol=1e-5), "reversed differ"
+        got = rows_attention(*args, 0.3)
+        # over valid tokens: a padding token's output is never read
+        worst = max(worst, float((got - expected)[valid].abs().max()))
+        alone = rows_attention(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
+        back = torch.arange(b - 1, -1, -1)
+        flipped = rows_attention(*(x[back] if x.shape[0] == b else x for x in args), 0.3)
+        if b <= CHUNK_MAX_ROWS:
+            assert torch.equal(alone, got[:1]), "a row alone differs"
+            assert torch.equal(flipped, got[back]), "reversed rows differ"
+        else:  # a row alone runs in chunks; several rows in one product: the interpreter's
+            # products are NumPy's, whose blocking rounds a row by where it sits (the H200
+            # check is byte for byte: scripts/gpu_torch.py `attention_kernel_check`, 256 rows)
+            assert torch.allclose(alone, got[:1], rtol=0, atol=1e-5), "a row alone differs"
+            assert torch.allclose(flipped, got[back], rtol=0, atol=1e-5), "reversed differ"
     print(worst)
     """
 )

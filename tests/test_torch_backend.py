@@ -417,10 +417,12 @@ def test_a_row_floor_pads_the_product_and_gives_the_rows_their_bytes():
     assert all(torch.equal(product(rows[:m], weight, floors), full[:m]) for m in (8, 16, 56))
 
 
-def test_floors_in_an_op_give_the_padded_product_bytes_in_one_graph(monkeypatch):
-    """`FLOORS_IN_OP`: the row floor's padding inside `floored_linear` gives the bytes of the
-    padding in the graph, and a compiled block over row counts on both sides of the floor
-    traces once, with no size comparison for a cached graph to guard on."""
+def test_floors_in_an_op_give_the_padded_product_bytes_in_one_graph():
+    """The row floor's padding inside `floored_linear` gives the bytes of the product over
+    zero rows appended up to the floor, and a compiled block over row counts on both sides of
+    the floor traces once, with no size comparison for a cached graph to guard on."""
+    import torch.nn.functional as F
+
     from runtime.model import layers
 
     generator = torch.Generator().manual_seed(3)
@@ -428,9 +430,7 @@ def test_floors_in_an_op_give_the_padded_product_bytes_in_one_graph(monkeypatch)
     floors = {(24, 40): 64}
     counts = (8, 16, 56, 64, 72, 128)
     xs = [torch.randn(m, 40, generator=generator) for m in counts]
-    monkeypatch.setattr(layers, "FLOORS_IN_OP", False)
-    in_graph = [layers.product(x, weight, floors) for x in xs]
-    monkeypatch.setattr(layers, "FLOORS_IN_OP", True)
+    in_graph = [F.linear(F.pad(x, (0, 0, 0, max(64 - len(x), 0))), weight)[: len(x)] for x in xs]
     graphs = []
 
     def backend(gm, example_inputs):
@@ -533,20 +533,17 @@ def test_readout_pieces_match_the_plugin_arithmetic():
     assert torch.allclose(got, token_logprobs_std(rows, embedding, tokens), atol=1e-6)
 
 
-def test_the_readout_reads_a_row_once_for_all_its_targets(executor, monkeypatch):
+def test_the_readout_reads_a_row_once_for_all_its_targets(executor):
     """`readout` with `slots` (each row once, targets naming their row) gives every target the
     bytes it has with the row repeated for each, across pieces (4 rows a piece here)."""
-    from runtime.backends import compiled
-
-    monkeypatch.setattr(compiled, "READOUT_PIECE", 4)
     backend = executor.backend
     generator = torch.Generator().manual_seed(2)
     flat = torch.randn(40, backend.table.shape[1], generator=generator)
     slots = torch.tensor([0, 0, 5, 1, 0, 5, 2, 3, 4, 4, 0, 6, 1])  # 7 rows over two pieces
     rows = torch.tensor([3, 9, 11, 17, 20, 33, 39])
     tokens = torch.randint(0, backend.vocab, (len(slots),), generator=generator)
-    once = backend.readout(flat, rows, tokens, slots)
-    repeated = backend.readout(flat, rows[slots], tokens)
+    once = backend.readout(flat, rows, tokens, slots, piece=4)
+    repeated = backend.readout(flat, rows[slots], tokens, piece=4)
     assert once.dtype == torch.float32 and torch.equal(once, repeated)
 
 

@@ -1,7 +1,8 @@
 """The torch backend: the model's own modules (`runtime.model`) on the export's weights, behind the
-same graphs, feeds and outputs as the ONNX files. On CUDA: fla-core's Gated DeltaNet kernels, the
-prefix read in place by one folded product per pass, `torch.compile` and one CUDA graph per shape
-(`runtime.backends.graphs`); on the CPU: eager PyTorch with the eager chunked core, no graphs.
+same graphs, feeds and outputs as the ONNX files. On CUDA: the Gated DeltaNet and attention
+kernels of `runtime.model` (fla-core's and our own Triton), `torch.compile` and one CUDA graph per
+shape (`runtime.backends.graphs`); on the CPU: eager PyTorch with the eager chunked core and the
+folded attention, no graphs.
 
 Follows docs/design.md "Language-model passes" and docs/engines.md §15 (the compiled engine measured
 on the H200); module names deliberately avoid `torch.py`.
@@ -22,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.backends.aot import AOT_DIR_ENV, AheadOfTimeBlock, aot_folder, enabled, supported
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
 from runtime.constants import DTYPES, IMAGE_GRAPH, JOINT_GRAPH, JOINT_PREFIXES
@@ -50,7 +50,6 @@ READOUT_PIECE = 128
 # A pass with more option rows than the passes questions share hold (CHUNK_MAX_ROWS, which the
 # attention's chunks follow for the same reason) holds one question alone, so its piece may
 # follow its own size: 256 rows, where the product is no longer bound by reading the table
-# (0.33 ms a 128-row piece on the H200, the table's read alone 0.32; h200-2026-12-04c)
 WIDE_READOUT_PIECE = 256
 # embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
 # to an sm75 kernel on the H200 (docs/engines.md §15); the padded rows are never read
@@ -64,14 +63,12 @@ RECOMPILE_LIMIT = 256  # dynamo's per-function cache (default 8): one entry per 
 TORCH_DIR = "torch"  # in an engine directory: the compiler caches `omnijev engines` prepared
 INDUCTOR_CACHE = "inductor"
 TRITON_CACHE = "triton"
-AOT_CACHE = "aot"  # the blocks' functions saved ahead of time (runtime.backends.aot), if on
 ENGINES_MANIFEST = "engines.json"
 ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
 # the image graph's: the decoded image as uint8 [H, W, 3], then the vision tower's tables; the
-# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph.
-# On the H200 the executor spent 1.3-1.6 ms launching the upload, the device resize and the
-# patches op by op before the tower's graph replayed (h200-2026-12-02, `vision_enqueue`)
+# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph
+# (the upload, the resize and the patches replay with the tower, not launched op by op)
 IMAGE_INPUTS = ("rgb", *VISION_INPUTS[1:])
 LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH)
 VISION_GRAPHS = ("vision", IMAGE_GRAPH)  # the tower from packed pixels, or from the image
@@ -86,9 +83,8 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a 
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
 # count. The products are checked at load, on this machine, for every row count a pass can
 # give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
-# that differs is padded to the first of FLOOR_CANDIDATES under which none does. On the H200
-# (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows (K 9,216), the
-# wide ones at 0 (docs/measurements/h200-2026-12-01d)
+# that differs is padded to the first of FLOOR_CANDIDATES under which none does (on the H200
+# the narrow products need 128 or 384 rows, the wide ones none)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
 # a joint pass holds a question part and up to two option passes (runtime.passes.JOINT_PARTS,
 # 1 while two parts break invariance, may be 2) of the small family that joins
@@ -98,20 +94,7 @@ FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
 # docs/measurements/h200-2026-12-02)
 JOINT_TOKENS = QUESTION_TOKENS + 2 * OPTION_FAMILIES[0][2]
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
-# attention on CUDA in half precision as one Triton kernel a layer
-# (runtime.model.attention_kernels.rows_attention) in place of folded_attention's four padded
-# products, softmax and copies: a program holds one row's queries, so a row's bytes need no
-# fixed-row padding; off (False) gives the folded form back, for comparison
-ATTENTION_KERNEL = True
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
-# Inductor's kernels launched with programmatic dependent launch (Hopper and later): a kernel's
-# launch overlaps the end of the one before, which waits only where it reads that one's
-# output. The joint passes are ~1,300 kernels of a few microseconds each, and the gaps
-# between them looked like 2.5-3.8 ms a pass on the H200 (h200-2026-12-03b traces). Scheduling
-# only: the same bytes. Off: it gave nothing (4b, BF16, GPU stages 24.6 → 24.8 ms for 1
-# question, 37.5 → 38.0 for 12; docs/measurements/h200-2026-12-03d): those gaps were the stage
-# clock's host waits, and within a graph the kernels ran 0.4 µs apart (median)
-PDL = False
 # Joint passes in two lanes, each a CUDA stream of its own, run at once where the executor puts
 # them in both (Executor.lane_of): the 12 speed-bench questions' second joint pass (6.2 ms, 939
 # kernels of a few microseconds, most of the GPU idle in each) waited for the first (11.1 ms)
@@ -158,9 +141,10 @@ def fla_importable() -> bool:
 
 
 def attention_kernel(wanted: bool) -> Callable | None:
-    """The attention kernel's op where it is wanted (CUDA, half precision), on and Triton
-    imports; else None (the folded products)."""
-    if not (wanted and ATTENTION_KERNEL):
+    """The attention kernel's op where it is wanted (CUDA, half precision) and Triton imports;
+    else None (the folded products). The kernel holds one row's queries a program, so a row's
+    bytes need no fixed-row padding, in place of folded_attention's four padded products."""
+    if not wanted:
         return None
     from runtime.model import attention_kernels
 
@@ -218,15 +202,6 @@ def use_caches(folder: Path) -> None:
     variables when they first compile, which is after this."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / INDUCTOR_CACHE)
     os.environ["TRITON_CACHE_DIR"] = str(folder / TRITON_CACHE)
-    os.environ[AOT_DIR_ENV] = str(folder / AOT_CACHE)
-
-
-def compiled_block(name: str, function):
-    """A language-model block compiled by Dynamo when first called, or ahead of time where
-    `runtime.backends.aot` is on and this torch has it (no tracing in a later process)."""
-    if enabled() and supported():
-        return AheadOfTimeBlock(name, function, aot_folder())
-    return torch.compile(function, dynamic=True)
 
 
 def padded_table(embedding: torch.Tensor) -> torch.Tensor:
@@ -279,9 +254,8 @@ class TorchBackend:
     modules (runtime.model)."""
 
     max_pass_tokens = None  # fla's kernels and the eager core take any length
-    # a pass asked for no readout outputs reads none: the image prefix's padded readout (a
-    # 128-row piece over the vocabulary) took 0.37 ms of its kernels on the H200
-    # (docs/measurements/h200-2026-12-02c)
+    # a pass asked for no readout outputs reads none: the image prefix's padded readout would
+    # be a 128-row piece over the whole vocabulary
     optional_readouts = True
     padded_targets = False  # `readout` pads the targets to its READOUT_PIECE rows itself
     joint_tokens = FIT_TOKENS  # fit_rows: the most token slots a joint pass may hold
@@ -450,8 +424,8 @@ class TorchBackend:
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         self.compile_modes = invariant_compilation()
-        blocks = {name: compiled_block(name, f) for name, f in BLOCKS.items()}
-        joint = {name: compiled_block(f"joint_{name}", f) for name, f in JOINT_BLOCKS.items()}
+        blocks = {name: torch.compile(f, dynamic=True) for name, f in BLOCKS.items()}
+        joint = {name: torch.compile(f, dynamic=True) for name, f in JOINT_BLOCKS.items()}
         return {
             "vision": torch.compile(self.vision, dynamic=True),
             "lm_state": partial(pass_body, self.language, return_state=True, blocks=blocks),
@@ -735,15 +709,14 @@ def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
 
 def invariant_compilation() -> list[str]:
     """Compiler settings that keep a row's bytes whatever the shape it runs in; the ones this
-    torch has. Without them a pass's bytes followed which compiled graph ran it (H200, joint
-    passes: a question asked alone moved by up to 0.0084, docs/measurements/h200-2026-12-02b):
+    torch has. Without them a pass's bytes followed which compiled graph ran it (on the H200
+    a question asked alone moved by up to 0.0084):
     - no duck sizing: sizes that happen to be equal when a block is traced (a joint pass's
       question and option rows, say) are not made one symbol, which made a new graph, with
       kernels of its own, each time they later differed;
     - Inductor's batch-invariant or deterministic mode: a reduction's configuration (how
       many threads sum a row, which sets the order of its sums) is not picked by timing, so
-      two graphs, or two processes, do not sum a norm's row differently.
-    And, with PDL, Inductor's kernels launched early (scheduling only, the same bytes)."""
+      two graphs, or two processes, do not sum a norm's row differently."""
     import torch._inductor.config as inductor
     import torch.fx.experimental._config as shapes
 
@@ -756,9 +729,6 @@ def invariant_compilation() -> list[str]:
             setattr(inductor, name, True)
             modes.append(name)
             break
-    if PDL and hasattr(inductor.triton, "enable_pdl"):
-        inductor.triton.enable_pdl = True
-        modes.append("pdl")
     log.info("compiled with %s", ", ".join(modes) or "no invariance settings")
     return modes
 

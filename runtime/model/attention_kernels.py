@@ -30,12 +30,10 @@ DOT_MIN = 16  # tl.dot's smallest tile side
 # on 4 warps 64). Fixed, not tuned: the keys per step set the order of the softmax's sums
 TILES = {16: (32, 4), 32: (32, 8), 64: (16, 8)}
 STAGES = 2  # K and V loads one step ahead
-# Shared keys a program (0: one program walks every key). A one-question pass has 8-16
-# programs a layer, each walking the 640 prefix keys in 20-40 steps; in chunks of 128 each
-# walks 8 and a second kernel merges them. Alone on the H200 (4b shapes, BF16, CUDA-graph
-# replays, ms): 2 × 16 rows 0.089 → 0.031, 16 × 16 0.090 → 0.073, options 4 × 8 0.059 → 0.019,
-# 8 × 24 0.085 → 0.063, but 256 × 8 0.453 → 0.589 (docs/measurements/h200-2026-12-03d). The
-# chunks follow the prefix's length alone, so a row's bytes do not follow the others
+# Shared keys a program: a one-question pass has 8-16 programs a layer, each walking the 640
+# prefix keys in 20-40 steps; in chunks of 128 each walks 8 and a second kernel merges them
+# (faster on the H200 for passes of up to 64 rows, slower for 256 rows). The chunks follow the
+# prefix's length alone, so a row's bytes do not follow the others
 CHUNK_KEYS = 128
 # passes of more rows walk every key in one program. Invariance needs the choice to be a
 # function of the row's own question: fitted passes give a row 2-64 rows whatever else was
@@ -49,9 +47,7 @@ CHUNK_MAX_ROWS = 64
 # second kernel goes on from its softmax state per row over the row's past and own keys. A
 # row's sums over the shared keys come in the same order wherever it sits (the shared keys are
 # the same for every row: no other row's key enters a row's products), so its bytes still do
-# not follow its neighbours. On the H200, 256 option rows of 8 tokens: 0.452 ms a layer with
-# one row a program, 0.428 with two (kernels alone; h200-2026-12-04c): a small gain, the
-# one-row programs were not bound by reading the keys. 0 turns it off
+# not follow its neighbours; a small gain on the H200 over one row a program
 SHARED_ROWS = 64
 # The image prefix's pass is the only one whose shared and past keys are one key each: the
 # empty state's, masked (runtime.executor.empty_state). Its attention is then causal over its
@@ -255,7 +251,8 @@ def rows_attention(
     one) and their own k, v [B, KVH, T, hd], all read in place (any strides but a unit last
     one); `mask` [B, T, P + Q + T] is true where a key is visible, and a token sees none of its
     row's later tokens; where P and Q are both PREFIX_KEYS (the image prefix's pass) those keys
-    are the empty state's, masked. Returns [B, T, H·hd] in v's dtype."""
+    are the empty state's, masked. Returns [B, T, H·hd] in v's dtype. The image prefix's pass
+    runs `prefix_attention`, others the kernel with `pass_chunk` shared keys a program."""
     return attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale)
 
 
@@ -291,32 +288,27 @@ def pass_chunk(rows: int) -> int:
     return CHUNK_KEYS if rows <= CHUNK_MAX_ROWS else 0
 
 
-def shared_rows(rows: int, tiles: int, tile: int, chunk: int) -> int:
+def shared_rows(rows: int, tiles: int, tile: int) -> int:
     """Rows a `_shared_rows_kernel` program takes in a pass of `rows` rows (0: that kernel is
     not used): passes of more than CHUNK_MAX_ROWS rows (one question's, alone) read in one
     program (no chunks), each row in one query tile, SHARED_ROWS // tile rows of them a
     program where that is two or more."""
-    if not SHARED_ROWS or chunk or rows <= CHUNK_MAX_ROWS or tiles != 1:
+    if rows <= CHUNK_MAX_ROWS or tiles != 1:
         return 0
     count = SHARED_ROWS // tile
     return count if count >= 2 else 0
 
 
-def attend_rows(
-    q, shared_k, shared_v, past_k, past_v, k, v, mask, scale, chunk: int | None = None
-) -> torch.Tensor:
-    """`rows_attention`'s launch (the op's body, also called by scripts/gpu_torch.py): the
-    image prefix's pass by `prefix_attention`, others by the kernel with `chunk` shared keys a
-    program (where None, CHUNK_KEYS for passes of at most CHUNK_MAX_ROWS rows; 0: one program
-    for every key)."""
+def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> torch.Tensor:
+    """`rows_attention`'s body: the image prefix's pass by `prefix_attention`, others by the
+    kernel with `pass_chunk` shared keys a program."""
     b, heads, t, hd = q.shape
     kv_heads, p, past = k.shape[1], shared_k.shape[2], past_k.shape[2]
     if p == past == PREFIX_KEYS:
         return prefix_attention(q, k, v, scale)
     if triton is None:
         raise RuntimeError("the attention kernel needs triton")
-    if chunk is None:
-        chunk = pass_chunk(b)
+    chunk = pass_chunk(b)
     if hd & (hd - 1) or heads % kv_heads or shared_k.shape[0] != 1:
         raise ValueError(f"attention kernel: head dim {hd}, heads {heads}/{kv_heads}")
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
@@ -333,7 +325,7 @@ def attend_rows(
     keys_per_step, warps = TILES[tile]
     tiles = triton.cdiv(group * t, tile)
     mask = mask.contiguous()
-    rows_a_program = shared_rows(b, tiles, tile, chunk)
+    rows_a_program = shared_rows(b, tiles, tile)
     chunks = triton.cdiv(p, chunk) + 1 if chunk else 1
     grid = (tiles, b * kv_heads, chunks)
     pieces = tiles * b * kv_heads * chunks if chunk else 0

@@ -22,51 +22,34 @@ try:  # with CUDA builds of torch, and the dev extra (the tests' interpreter); e
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
-# value columns per program of the option-row kernel and its warps: a [128, 16] float32 tile of
-# the state in one warp, whose sums over the key dimension stay within the warp. The fastest of
-# six tiles on the H200 for every option-pass shape (64 × 8 from 16 sources: 0.118 ms against
-# 0.202 at 32 × 4; docs/measurements/h200-2026-12-01c). Fixed, not autotuned, so that every
-# process sums in the same order (an autotuner may pick differently after a restart)
+# value columns per program of the rows kernel and its warps: a [128, 16] float32 tile of the
+# state in one warp, whose sums over the key dimension stay within the warp; the fastest tile on
+# the H200 for every option-pass shape. Fixed, not autotuned, so that every process sums in the
+# same order (an autotuner may pick differently after a restart). The kernel loads a token's
+# inputs while the token before it computes (the same arithmetic, so the same bytes)
 ROWS_BLOCK_V = 16
 ROWS_WARPS = 1
-# the option-row kernel loads a token's inputs while the token before it computes: a program
-# is one warp walking its row's tokens one after another, so each step otherwise waited for its
-# loads before any arithmetic. Same arithmetic, so the same bytes; on the H200 (4b shapes)
-# rows of 24 tokens 11-23 % faster (4 × 24: 0.026 → 0.020 ms), 8-token rows unchanged
-# (256 × 8: 0.264 → 0.268 ms; docs/measurements/h200-2026-12-03)
-ROWS_PREFETCH = True
 # passes of at most this many tokens that carry their state on (question rows) run our kernel
 # (`rows_gated_delta`: the sources' states read in place, the final state written); longer
-# ones (image prefixes, 64 tokens and up) fla's chunked kernel, which took 7 kernels a layer in
-# a one-question pass. Timed on the H200 (4b shapes, BF16, CUDA-graph replays, ms; ours / fla
-# chunked / fla recurrent): 1 × 16 0.013 / 0.026 / 0.020, 16 × 16 0.057 / 0.130 / 0.102,
-# 8 × 32 0.055 / 0.080 / 0.106, 1 × 64 0.043 / 0.038 / 0.072 (docs/measurements/h200-2026-12-03b)
+# ones (image prefixes, 64 tokens and up) fla's chunked kernel, which is faster from 64 tokens
+# on and took 7 kernels a layer below
 ROWS_MAX_TOKENS = 32
-# Option rows in BF16 run the block kernel: every option row of a question starts
-# from the same state S0, so S0 enters through two matrix products over a block of rows' tokens
-# (Kᵀ and Q against S0 on the tensor cores, S0 read once a block), and what is left of the rule
-# is a row's own tokens against each other, [T, T] a row. The recurrent kernel re-reads S0 per
-# row and walks its tokens one by one with four sums over 128 keys a token: 8.8 ms of the
-# 255-option pass's 47 ms on the H200 (h200-2026-12-03d traces). Every step keeps a row's values
-# to itself (the products' rows are independent; the [T, T] steps are per-row tiles; the one
+# Option rows in BF16 of at most BLOCK_MAX_TOKENS tokens run the block kernel: every option row
+# of a question starts from the same state S0, so S0 enters through two matrix products over a
+# block of rows' tokens (Kᵀ and Q against S0 on the tensor cores, S0 read once a block), and
+# what is left of the rule is a row's own tokens against each other, [T, T] a row; the recurrent
+# kernel re-read S0 per row and walked its tokens one by one. Every step keeps a row's values to
+# itself (the products' rows are independent; the [T, T] steps are per-row tiles; the one
 # product over the block's tokens sees another row's terms as exact zeros), so a row's bytes do
-# not follow the other rows of its block: on the H200 each row kept its bytes with the rows
-# reversed and alone, at every tile (h200-2026-12-04b). Float32 passes keep the recurrent
-# kernel, whose arithmetic is float32 throughout (the float32 parity allows no TF32)
-OPTION_BLOCKS = True
-# token slots and value columns a program, and its warps: on the H200 (4b shapes, every token
-# valid, CUDA-graph replays) 256 × 8 from one source took 0.167 ms at 32 × 64 × 4, 0.333 at
-# 64 × 64 × 8, against 0.405 in the recurrent kernel; 64 × 8 from 16 sources 0.067 / 0.153 /
-# 0.111 (h200-2026-12-04b, calls 1 and 2). 16 × 64 × 2 was faster still on every shape (0.129,
-# 0.046); in whole passes, with CONV_IN_PLACE, the GPU stages went 56.0 → 55.0 ms (255
-# options), 35.6 → 34.9 (12 questions), 24.5 → 23.8 (1 question), the invariance check byte for
-# byte in both (h200-2026-12-04c, call 1)
+# not follow the other rows of its block. Float32 passes keep the recurrent kernel, whose
+# arithmetic is float32 throughout (the float32 parity allows no TF32).
+# Token slots and value columns a program, and its warps: the fastest tile on the H200 on every
+# option-pass shape, byte for byte in the invariance check
 BLOCK_TOKENS = 16
 BLOCK_V = 64
 BLOCK_WARPS = 2
-# Rows of 24 tokens were slower in blocks than in the recurrent kernel (4 × 24: 0.026 ms
-# against 0.025; 16 × 24 from 16 sources 0.100 against 0.081), rows of 16 faster (32 × 16 from
-# 16 sources 0.066 against 0.113): longer rows keep the recurrent kernel
+# longer rows were slower in blocks than in the recurrent kernel on the H200 (24 tokens), rows
+# of 16 faster
 BLOCK_MAX_TOKENS = 16
 # the products against the float32 state take it as this many half-precision terms (the
 # state less the terms before): q and k are the model's half-precision values, so each product
@@ -74,18 +57,9 @@ BLOCK_MAX_TOKENS = 16
 # the outputs' own half-precision rounding; in registers, q and k take half the room of float32
 BLOCK_SPLIT = 2
 BLOCK_KEYS = 32  # keys a step of the block kernel's products reads
-# The short causal conv before the core as one kernel a layer (`short_conv`): Inductor made two
-# of it, the past and the row's own inputs joined and each output's taps gathered, then the
-# taps' multiply-adds (2.3 + 2.0 ms of the 255-option pass on the H200, 24 layers). Ours took
-# 3.2 ms for its 48 calls (question parts and options), but its input, a column slice of the
-# fused input projection, reaches it as a copy (about 1.2 ms more), so no gain yet
-# (h200-2026-12-04b, calls 1 and 3); reading the slice in place and writing no state for
-# option rows are what is left
-CONV_KERNEL = True
-# the input read in place through its strides, and no conv state written for option rows (a
-# leaf's state is never read): with the block tile above, 0.7-1 ms off every workload's GPU
-# stages on the H200 (h200-2026-12-04c, call 1); False copies the slice in, as before
-CONV_IN_PLACE = True
+# The short causal conv before the core is one kernel a layer (`short_conv`), where Inductor
+# made two; it reads its input, a column slice of the fused input projection, in place through
+# its strides, and writes no conv state for option rows (a leaf's state is never read)
 CONV_TOKENS = 8  # token slots a program
 CONV_CHANNELS = 256  # channels a program
 
@@ -152,13 +126,12 @@ if triton is not None:
         V: tl.constexpr,
         BV: tl.constexpr,
         EPS: tl.constexpr,
-        PREFETCH: tl.constexpr,
         STATE: tl.constexpr,
     ):
         """One program: one row, one value head, BV value columns, the row's valid tokens in
-        order, zeros for its padding (whose outputs no valid token reads). With PREFETCH the
-        next token's inputs are loaded before this token's arithmetic, which is unchanged; with
-        STATE the tile's final state is written."""
+        order, zeros for its padding (whose outputs no valid token reads). The next token's
+        inputs are loaded before this token's arithmetic; with STATE the tile's final state is
+        written."""
         i_v = tl.program_id(0)
         i_nh = tl.program_id(1).to(tl.int64)
         i_n = i_nh // HV
@@ -181,21 +154,14 @@ if triton is not None:
         n_beta = tl.load(beta + token * HV + i_hv)
         t = 0
         while t < valid:
-            if PREFETCH:
-                b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
-                b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
-                after = tl.minimum(token + 1, last)
-                n_q = tl.load(q + (after * H + i_h) * K + o_k)
-                n_k = tl.load(k + (after * H + i_h) * K + o_k)
-                n_v = tl.load(v + (after * HV + i_hv) * V + o_v)
-                n_g = tl.load(g + after * HV + i_hv)
-                n_beta = tl.load(beta + after * HV + i_hv)
-            else:
-                b_q = tl.load(q + (token * H + i_h) * K + o_k).to(tl.float32)
-                b_k = tl.load(k + (token * H + i_h) * K + o_k).to(tl.float32)
-                b_v = tl.load(v + (token * HV + i_hv) * V + o_v).to(tl.float32)
-                b_g = tl.load(g + token * HV + i_hv).to(tl.float32)
-                b_beta = tl.load(beta + token * HV + i_hv).to(tl.float32)
+            b_q, b_k, b_v = n_q.to(tl.float32), n_k.to(tl.float32), n_v.to(tl.float32)
+            b_g, b_beta = n_g.to(tl.float32), n_beta.to(tl.float32)
+            after = tl.minimum(token + 1, last)
+            n_q = tl.load(q + (after * H + i_h) * K + o_k)
+            n_k = tl.load(k + (after * H + i_h) * K + o_k)
+            n_v = tl.load(v + (after * HV + i_hv) * V + o_v)
+            n_g = tl.load(g + after * HV + i_hv)
+            n_beta = tl.load(beta + after * HV + i_hv)
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
             h = h * tl.exp(b_g)
@@ -428,9 +394,9 @@ def option_rows_gated_delta(
     q, k [B, T, H, dk] and v [B, T, HV, dv] in any layout (made contiguous); g, beta float32
     [B, T, HV]. The kernel walks each row's first
     `lengths[n]` tokens and writes zeros after them: a padded token (g = β = 0) leaves the
-    state as it is and no valid token reads its output (h200-2026-12-02h: 1,675 of the
-    255-option pass's 2,048 tokens). BF16 rows of at most BLOCK_MAX_TOKENS tokens take the
-    block kernel (OPTION_BLOCKS), the others the recurrent one."""
+    state as it is and no valid token reads its output (most of a many-option pass's tokens
+    are padding). BF16 rows of at most BLOCK_MAX_TOKENS tokens take the block kernel, the
+    others the recurrent one."""
     if blocks_fit(q):
         return option_blocks(q, k, v, g, beta, states, src, lengths, scale)
     return option_rows(q, k, v, g, beta, states, src, lengths, scale)
@@ -440,7 +406,7 @@ def blocks_fit(q: torch.Tensor) -> bool:
     """Whether option rows shaped as q [B, T, H, dk] run the block kernel."""
     # BF16 only: the state's two terms need BF16's range (float16's would flush its small
     # values); the engines run BF16 or float32 (runtime.constants.MODEL_DTYPES)
-    return OPTION_BLOCKS and q.dtype == torch.bfloat16 and q.shape[1] <= BLOCK_MAX_TOKENS
+    return q.dtype == torch.bfloat16 and q.shape[1] <= BLOCK_MAX_TOKENS
 
 
 @option_rows_gated_delta.register_fake
@@ -478,34 +444,17 @@ def _(q, k, v, g, beta, states, src, lengths, scale):
     return v.new_empty(v.shape), final
 
 
-def option_rows(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    states,
-    src,
-    lengths,
-    scale,
-    block_v=ROWS_BLOCK_V,
-    warps=ROWS_WARPS,
-    prefetch=ROWS_PREFETCH,
-    state=False,
-):
-    """The rows kernel at a given tile (value columns per program, warps), with or without its
-    loads a token ahead, and with (`state`: returns (out, final)) or without the final state:
-    the custom ops run the fixed ROWS_BLOCK_V × ROWS_WARPS with ROWS_PREFETCH;
-    scripts/gpu_torch.py times the others."""
+def option_rows(q, k, v, g, beta, states, src, lengths, scale, state: bool = False):
+    """The rows kernel, with (`state`: returns (out, final)) or without the final state."""
     if triton is None:
         raise RuntimeError("the rows kernel needs triton")
     b, t, heads, dk = q.shape
     value_heads, dv = v.shape[2], v.shape[3]
-    if dv % block_v or dk & (dk - 1) or value_heads % heads:
+    if dv % ROWS_BLOCK_V or dk & (dk - 1) or value_heads % heads:
         raise ValueError(f"rows kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}")
     out = v.new_empty(b, t, value_heads, dv)
     final = states.new_empty(b, value_heads, dk, dv, dtype=torch.float32) if state else out
-    grid = (dv // block_v, b * value_heads)
+    grid = (dv // ROWS_BLOCK_V, b * value_heads)
     _rows_kernel[grid](
         *contiguous(q, k, v, g, beta, states, src, lengths),
         out,
@@ -516,11 +465,10 @@ def option_rows(
         HV=value_heads,
         K=dk,
         V=dv,
-        BV=block_v,
+        BV=ROWS_BLOCK_V,
         EPS=L2_EPS,
-        PREFETCH=prefetch,
         STATE=state,
-        num_warps=warps,
+        num_warps=ROWS_WARPS,
     )
     return (out, final) if state else out
 
@@ -530,36 +478,20 @@ def contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous() for t in tensors]
 
 
-def option_blocks(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    states,
-    src,
-    lengths,
-    scale,
-    block_tokens=BLOCK_TOKENS,
-    block_v=BLOCK_V,
-    warps=BLOCK_WARPS,
-    split=BLOCK_SPLIT,
-):
-    """The block kernel at a given tile (token slots and value columns a program, warps) and
-    number of the state's terms; the custom op runs the fixed BLOCK_* settings,
-    scripts/gpu_torch.py times others. q and k in half precision (the products' operands);
-    rows sorted by source, as plans give them (any order is right, but a block then reads
-    each of its sources)."""
+def option_blocks(q, k, v, g, beta, states, src, lengths, scale):
+    """The block kernel. q and k in half precision (the products' operands); rows sorted by
+    source, as plans give them (any order is right, but a block then reads each of its
+    sources)."""
     if triton is None:
         raise RuntimeError("the block kernel needs triton")
     b, t, heads, dk = q.shape
     value_heads, dv = v.shape[2], v.shape[3]
-    if dv % block_v or dk & (dk - 1) or value_heads % heads or t > BLOCK_MAX_TOKENS:
+    if dv % BLOCK_V or dk & (dk - 1) or value_heads % heads or t > BLOCK_MAX_TOKENS:
         raise ValueError(f"block kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}, t {t}")
     slots = triton.next_power_of_2(t)
-    rows = max(1, block_tokens // slots)
+    rows = max(1, BLOCK_TOKENS // slots)
     out = v.new_empty(b, t, value_heads, dv)
-    grid = (dv // block_v, value_heads, triton.cdiv(b, rows))
+    grid = (dv // BLOCK_V, value_heads, triton.cdiv(b, rows))
     _option_blocks_kernel[grid](
         *contiguous(q, k, v, g, beta, states, src, lengths),
         out,
@@ -572,11 +504,11 @@ def option_blocks(
         HV=value_heads,
         K=dk,
         V=dv,
-        BV=block_v,
+        BV=BLOCK_V,
         EPS=L2_EPS,
-        SPLIT=split,
+        SPLIT=BLOCK_SPLIT,
         KC=BLOCK_KEYS,
-        num_warps=warps,
+        num_warps=BLOCK_WARPS,
     )
     return out
 
@@ -593,14 +525,13 @@ def short_conv(
     the past [B, C, K-1] in raw's dtype, weight float32 [K, C], lengths [B]. Returns
     SiLU(conv) [B, T, C] in raw's dtype and the conv state [B, C, K-1]: the joined inputs'
     K-1 columns from each row's length on (runtime.model.language's `conv`, one kernel).
-    With CONV_IN_PLACE raw is read through its strides (channels contiguous), and without
-    `want_state` the state is [0, C, K-1], not written."""
+    raw is read through its strides (channels contiguous: a copy only where they are not), and
+    without `want_state` the state is [0, C, K-1], not written."""
     if triton is None:
         raise RuntimeError("the conv kernel needs triton")
     b, t, c = raw.shape
     taps = weight.shape[0]
-    in_place = CONV_IN_PLACE and raw.stride(2) == 1
-    raw = raw if in_place else raw.contiguous()
+    raw = raw if raw.stride(2) == 1 else raw.contiguous()
     state_rows = conv_state_rows(b, want_state)
     out = raw.new_empty(b, t, c)
     state = raw.new_empty(state_rows, c, taps - 1)
@@ -634,6 +565,5 @@ def _(raw, past, weight, lengths, want_state=True):
 
 
 def conv_state_rows(rows: int, want_state: bool) -> int:
-    """Rows of the conv state `short_conv` returns: none where it is not wanted, with
-    CONV_IN_PLACE (which leaves it out)."""
-    return rows if want_state or not CONV_IN_PLACE else 0
+    """Rows of the conv state `short_conv` returns: none where it is not wanted."""
+    return rows if want_state else 0

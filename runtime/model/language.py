@@ -29,8 +29,7 @@ from runtime.model.layers import (
 
 READOUT_VARIANTS = ("std", "plugin")
 # folded_attention pads keys to a multiple of this: the prefix pass's 641 own keys (640 + the
-# empty state's one) sent cuBLAS to an SM75 kernel with alignment 1, 0.7 ms of the 4b prefix pass
-# on the H200 (docs/measurements/h200-2026-12-01c)
+# empty state's one) sent cuBLAS to a slow kernel with alignment 1
 KEY_ALIGN = 8
 
 
@@ -258,12 +257,11 @@ class GatedDeltaNet(nn.Module):
         if self.core == "fla" and raw.dtype != torch.float32 and not torch.onnx.is_in_onnx_export():
             from runtime.model import gdn_kernels
 
-            if gdn_kernels.CONV_KERNEL:  # one kernel, the same arithmetic (float32 taps)
-                past = conv_past.to(raw.dtype)
-                return gdn_kernels.short_conv(raw, past, self.taps(), lengths, want_state)
+            # one kernel, the same arithmetic (float32 taps)
+            past = conv_past.to(raw.dtype)
+            return gdn_kernels.short_conv(raw, past, self.taps(), lengths, want_state)
         # token-major ([B, K-1+T, C], channels contiguous), so that every tap reads and the
-        # output writes whole rows: channel-major, with a transpose in and out, the 255-option
-        # pass's conv kernels took 5.0 ms of its 52.9 on the H200 (h200-2026-12-02h)
+        # output writes whole rows (channel-major needed a transpose in and out)
         full = torch.cat([conv_past.transpose(1, 2), raw], dim=1)
         keep = self.kernel - 1
         index = lengths[:, None] + torch.arange(keep, device=raw.device)[None, :]
@@ -321,8 +319,7 @@ class GatedDeltaNet(nn.Module):
             # the kernels normalise q and k and map value head j to key head j // (HV/H), and
             # read each row's source state in place by `src`. q, k and v contiguous: Inductor
             # gives a custom op's inputs buffers of their own either way, and views of the
-            # conv's output made fla's chunked kernel copy them again, unfused (the 4b prefix
-            # pass 882 → 978 kernels on the H200, h200-2026-12-03b)
+            # conv's output made fla's chunked kernel copy them again, unfused
             q = q.reshape(b, t, self.k_heads, self.dk).contiguous()
             k = k.reshape(b, t, self.k_heads, self.dk).contiguous()
             v = v.reshape(b, t, self.v_heads, self.dv).contiguous()

@@ -12,13 +12,6 @@ from torch import nn
 
 LAYER_NORM_EPS = 1e-6  # every vision LayerNorm (docs/model.md §6.2)
 MASKED = torch.finfo(torch.float32).min  # finite, so a row whose keys are all masked stays finite
-# `product` pads to a row floor inside the op `floored_linear`, out of the compiler's sight, in
-# place of a pad of max(floor - rows, 0) rows in the traced graph. A graph the compiler caches
-# gave back carries a guard on which side of each floor its row count fell, and a new process
-# traced a block again for each side. On the H200 (docs/measurements/h200-2026-12-02d) the op
-# took the cold start with caches from 118.5 to 89.6 s, with the GPU stages no slower and the
-# invariance check byte for byte; False restores the in-graph pad (`gpu_torch --floors-in-graph`)
-FLOORS_IN_OP = True
 
 
 def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
@@ -38,13 +31,14 @@ def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
 @torch.library.custom_op("omnijev::floored_linear", mutates_args=())
 def floored_linear(x: torch.Tensor, weight: torch.Tensor, floor: int) -> torch.Tensor:
     """`x @ weight.T` for x [rows, K], over at least `floor` rows (rows appended, cut after):
-    `product`'s padding as one op whose output shape is the input's rows."""
+    `product`'s padding as one op whose output shape is the input's rows. Out of the compiler's
+    sight, so that a compiled graph carries no guard on which side of the floor its row count
+    fell (a pad in the traced graph made a new process trace a block again for each side)."""
     rows = x.shape[0]
     if rows >= floor:
         return F.linear(x, weight)
     # the padding rows are left unwritten: a product's row reads its own row only, so what the
-    # others hold cannot change its bytes (their number can). One copy where a zero fill and a
-    # copy were two kernels (64 of a one-question pass's 1,435 on the H200, h200-2026-12-03b)
+    # others hold cannot change its bytes (their number can); one copy, not a fill and a copy
     full = x.new_empty(floor, x.shape[1])
     full[:rows] = x
     return F.linear(full, weight)[:rows]
@@ -64,16 +58,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, floors: dict | None = None) -
     if not floor:
         return F.linear(x, weight)
     flat = x.reshape(-1, x.shape[-1])
-    if FLOORS_IN_OP:
-        return floored_linear(flat, weight, floor).reshape(*x.shape[:-1], weight.shape[0])
-    # sym_max: under torch.compile the padding is an expression of the row count, not a guard
-    pad = torch.sym_max(floor - flat.shape[0], 0)
-    return padded_linear(flat, weight, pad).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def padded_linear(flat: torch.Tensor, weight: torch.Tensor, pad) -> torch.Tensor:
-    """`flat @ weight.T` over `pad` zero rows more than flat [rows, K] has, cut after."""
-    return F.linear(F.pad(flat, (0, 0, 0, pad)), weight)[: flat.shape[0]]
+    return floored_linear(flat, weight, floor).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def projections(
