@@ -95,11 +95,8 @@ class Prepared:
     prefix_length: int  # the reference's L
     input_tokens: int  # L + sum of row lengths
     prepare_seconds: float = 0.0
-    # (question rows, runtime.passes.Plan) made while preparing, off the execution thread
+    # (pass shape, runtime.passes.Plan) made while preparing, off the execution thread
     planned: tuple | None = field(default=None, compare=False, repr=False)
-    # the vision tower and image prefix enqueued as soon as the image was decoded, while the
-    # text was still being prepared (`Executor.start_prefix`): taken by the first execution
-    started: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def questions(self) -> tuple[Question, ...]:
