@@ -19,14 +19,12 @@ import numpy as np
 import torch
 
 from runtime.errors import ExecutionError
+from runtime.export_format import N_FEATS, head_shapes
 from runtime.types import TYPE_IDS, QuestionReadout
 
 log = logging.getLogger("omnijev.heads")
 
 HIDDEN = 2560  # Qwen3.5-4B hidden size (contract §6.1)
-N_FEATS = 6  # LM features per option (contract §6.2)
-OPTION_WIDTH_CAP = 1024  # OptionScorer d_hidden: min(1024, 2·D) (contract §6.1)
-ORDINAL_WIDTH_CAP = 512  # OrdinalScoreHead d_hidden: min(512, D) (contract §6.1)
 
 EMPTY_SUM = np.float32(-1e4)  # lm_option_feats masks an empty option's sum with -1e4 before dist
 FEAT_SCALE = np.float32(10.0)  # sum/10 and n/10 in the features
@@ -81,58 +79,6 @@ STACK_CHECK_OFFSETS = (0, 5, 37)
 # 3.9 ms with them on the GPU against 6.9 (the same answer bytes; h200-2026-12-02).
 DEVICE_ROWS = 64
 DEVICE_TOLERANCE = 1e-5  # heads' tolerance against the reference (contract.md §9.3): the check
-
-
-def option_width(hidden: int) -> int:
-    """OptionScorer's inner width for hidden size D."""
-    return min(OPTION_WIDTH_CAP, 2 * hidden)
-
-
-def ordinal_width(hidden: int) -> int:
-    """OrdinalScoreHead's inner width for hidden size D."""
-    return min(ORDINAL_WIDTH_CAP, hidden)
-
-
-def _linear(name: str, out: Callable[[int], int], inp: Callable[[int], int]) -> dict:
-    return {
-        f"{name}.weight": lambda d: (out(d), inp(d)),
-        f"{name}.bias": lambda d: (out(d),),
-    }
-
-
-def _hidden(d: int) -> int:
-    return d
-
-
-def _one(d: int) -> int:
-    return 1
-
-
-def _feats(d: int) -> int:
-    return N_FEATS
-
-
-# Tensor name -> shape as a function of the hidden size D (PyTorch Linear layout [out, in]).
-HEAD_SHAPES: dict[str, Callable[[int], tuple[int, ...]]] = {
-    **_linear("head.opt.0", option_width, _hidden),
-    **_linear("head.opt.2", option_width, option_width),
-    **_linear("head.que.0", option_width, _hidden),
-    **_linear("head.que.2", option_width, option_width),
-    **_linear("head.score", _one, option_width),
-    "head.log_tau": lambda d: (len(TYPE_IDS),),
-    **_linear("head.abstain", _one, option_width),
-    **_linear("head.feat", option_width, _feats),
-    **_linear("head.feat_lin", _one, _feats),
-    **_linear("ord.z.0", ordinal_width, _hidden),
-    **_linear("ord.z.2", _one, ordinal_width),
-    **_linear("ord.cut.0", ordinal_width, _hidden),
-    **_linear("ord.cut.2", _one, ordinal_width),
-}
-
-
-def head_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of `heads.safetensors` and its shape for hidden size D."""
-    return {name: shape(hidden) for name, shape in HEAD_SHAPES.items()}
 
 
 def erf64(a: np.ndarray) -> np.ndarray:
