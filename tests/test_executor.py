@@ -187,9 +187,10 @@ def static_executor(engines):
 
 
 def test_static_shape_sessions_give_the_same_answers(engines, executor):
-    """`OrtBackend(static_shapes=True)` (on CUDA by default): one session per shape signature with its dimensions fixed (the way
-    to CUDA graphs on ONNX Runtime), built in the background while the dynamic session answers;
-    the answers must not move when the fixed sessions take over."""
+    """`OrtBackend(static_shapes=True)` (on CUDA by default): one session per shape signature
+    with its dimensions fixed (the way to CUDA graphs on ONNX Runtime), built in the background
+    while the dynamic session answers; the answers must not move when the fixed sessions take
+    over."""
     static = static_executor(engines)
     assert static.backend.static
     static.prefix.cache.size = 0  # the image must go through vision again
