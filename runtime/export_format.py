@@ -30,8 +30,7 @@ HEADS = "heads.safetensors"
 TOKENIZERS_KEPT = 2  # checked tokenizers kept by file (a Qwen tokenizer is tens of MB)
 HASH_BLOCK = 4 * 1024 * 1024  # the worker hashes in 4 MiB blocks (contract.md §8.3)
 # files hashed at once: hashlib lets go of the GIL while it hashes a block, so the shards hash
-# side by side (the 4b export's check took 9.3 s of a 14 s load on the H200's host one file
-# at a time; docs/measurements/h200-2026-12-02c)
+# side by side (one file at a time, the 4b export's check was most of its load)
 HASH_THREADS = 8
 
 # Identity of the published release (contract.md §0.2, §8.2); pinned only for a real export.

@@ -38,8 +38,8 @@ ORDINAL_FLOOR = np.float32(1e-8)  # OrdinalScoreHead clamps each level probabili
 # 2 cores, against 1.3 ms with one library (measured with 4b-sized heads).
 SQRT_HALF = math.sqrt(0.5)
 # The MLPs whose first Linear reads D-wide rows (the large weights): `questions_mu` runs each of
-# them over every question's rows before the next. 12 questions, 4b-sized heads, 2-core CI
-# machine: 17.7 ms of CPU question by question, 11.5 ms layer by layer, each question its own
+# them over every question's rows before the next. 12 questions, 4b-sized heads, two cores:
+# 17.7 ms of CPU question by question, 11.5 ms layer by layer, each question its own
 # product (MKL's sgemm for a few rows: ~0.15 ms for one row, ~0.5 ms for 4-5 against a 10 MiB
 # weight). Without MKL's reproducibility mode a row's bytes also followed the row count (1-3
 # and 5-7 rows differed) and the thread count; with it (runtime/__init__.py) only 1-3 rows do,
@@ -56,7 +56,7 @@ MIN_PRODUCT_ROWS = 4
 # A Linear with fewer outputs than this (the 1-wide score, abstain, feature and ordinal outputs)
 # runs as a product of this many, its weight's extra rows zero: MKL's matrix-vector kernel for
 # one output gave a row other bytes in products of other row counts, a 2-, 4- or 8-wide product
-# did not (16-wide did not hold; 2-core CI machine, MKL 2024.2). So those layers stack too, one
+# did not (16-wide did not hold; MKL 2024.2). So those layers stack too, one
 # product for every question's rows; `Heads.stackable` still checks each on the machine at hand.
 NARROW_WIDTH = 4
 # Every Linear of the heads, for the row-invariance check (`Heads.stackable`)
@@ -73,10 +73,9 @@ STACK_CHECK_SIZES = (4, 5, 7, 8, 13, 16, 33, 64, 255)
 STACK_CHECK_OFFSETS = (0, 5, 37)
 # On a CUDA device the four MLPs above run as products of exactly this many rows (zero rows fill
 # the last), the worker's FIXED_GEMM_M (contract.md §5): one kernel for any number of questions,
-# so a row's bytes follow only its own inputs; `DeviceMLPs.usable` checks that at load. On the
-# 2-core CI machine the MLPs were 5.4 of the heads' 7.0 ms for 12 questions, 13 of 14.5 ms for
-# 255 options (synthetic 4b-sized heads, tools.hostprofile); on the H200 12 questions' heads took
-# 3.9 ms with them on the GPU against 6.9 (the same answer bytes; h200-2026-12-02).
+# so a row's bytes follow only its own inputs; `DeviceMLPs.usable` checks that at load. The
+# MLPs are most of the heads' host time, and on the GPU the heads take about half as long with
+# them there (the same answer bytes).
 DEVICE_ROWS = 64
 DEVICE_TOLERANCE = 1e-5  # heads' tolerance against the reference (contract.md §9.3): the check
 

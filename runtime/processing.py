@@ -56,8 +56,7 @@ RESERVED = (OPEN, CLOSE, IMAGE_PAD, "<|video_pad|>", "<|vision_start|>", VISION_
 PROBE = "Is\u00a0it ok?  <|im_end|>x\n\n"  # a check text: spaces, a special token, newlines
 TEMPLATES = 4  # tokenizers whose templates are kept (one a checkpoint, tests load a few)
 # texts (instructions, option texts) whose ids a template keeps: a deployment asks the same
-# questions of many images, and encoding 255 option texts took 2.0 ms on the 2-core CI machine
-# (5.5 on the H200's host), 12 questions 0.6 ms (tools.hostprofile)
+# questions of many images, and encoding hundreds of option texts costs milliseconds
 TEXT_IDS = 4096
 # longer texts are encoded every time, so that what clients send cannot make the kept ids large
 # (4,096 texts of 8,192 characters and their ids would be over a GB; of 512, some tens of MB)
@@ -67,9 +66,8 @@ KEPT_TEXT_CHARS = 512
 # NumPy release the GIL for their work, so the decode runs while this thread tokenizes.
 IMAGE_THREADS = 2
 # HF tokenizers' batch encode releases the GIL, but its thread pool waits for cores that
-# PyTorch's threads hold: 47 texts of 12 questions took 0.15 ms alone and 4.7 ms (p90) beside a
-# busy PyTorch thread on the 2-core CI machine; with the pool off, 0.24 ms either way, and
-# `encode` one by one holds the GIL throughout. The variable is read at each call; an operator's
+# PyTorch's threads hold, an order of magnitude slower beside a busy PyTorch thread; with the
+# pool off it costs the same either way, and `encode` one by one holds the GIL throughout. The variable is read at each call; an operator's
 # own setting stays.
 TOKENIZER_POOL = ("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault(*TOKENIZER_POOL)

@@ -57,7 +57,7 @@ READOUT_PIECE = 128
 # A pass with more option rows than the passes questions share hold (CHUNK_MAX_ROWS, which the
 # attention's chunks follow for the same reason) holds one question alone, so its piece may
 # follow its own size: 256 rows, where the product is no longer bound by reading the table
-# (0.33 ms a 128-row piece on the H200, the table's read alone 0.32; h200-2026-12-04c)
+# (a 128-row piece takes about as long as reading the table alone)
 WIDE_READOUT_PIECE = 256
 # embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
 # to an sm75 kernel on the H200 (engines.md §15); the padded rows are never read
@@ -76,9 +76,8 @@ ENGINES_MANIFEST = "engines.json"
 ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
 # the image graph's: the decoded image as uint8 [H, W, 3], then the vision tower's tables; the
-# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph.
-# On the H200 the executor spent 1.3-1.6 ms launching the upload, the device resize and the
-# patches op by op before the tower's graph replayed (h200-2026-12-02, `vision_enqueue`)
+# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph,
+# in place of launching the upload, the device resize and the patches op by op before it
 IMAGE_INPUTS = ("rgb", *VISION_INPUTS[1:])
 LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH)
 VISION_GRAPHS = ("vision", IMAGE_GRAPH)  # the tower from packed pixels, or from the image
@@ -93,9 +92,8 @@ ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
 # count. The products are checked at load, on this machine, for every row count a pass can
 # give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
-# that differs is padded to the first of FLOOR_CANDIDATES under which none does. On the H200
-# (cuBLAS, BF16) the narrow products came out at 128 rows (K 4,096) and 384 rows (K 9,216), the
-# wide ones at 0 (docs/measurements/h200-2026-12-01d)
+# that differs is padded to the first of FLOOR_CANDIDATES under which none does (on the GPU,
+# cuBLAS in BF16, the narrow products need a floor of a few hundred rows, the wide ones none)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
 # the row floors are measured up to this many rows (a question part and two option passes of
 # the small family that joins), else up to FIT_TOKENS: every joint pass of that family (a
@@ -738,8 +736,8 @@ def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
 
 def invariant_compilation() -> list[str]:
     """Compiler settings that keep a row's bytes whatever the shape it runs in; the ones this
-    torch has. Without them a pass's bytes followed which compiled graph ran it (H200, joint
-    passes: a question asked alone moved by up to 0.0084, docs/measurements/h200-2026-12-02b):
+    torch has. Without them a pass's bytes followed which compiled graph ran it (on the GPU a
+    question asked alone moved in joint passes):
     - no duck sizing: sizes that happen to be equal when a block is traced (a joint pass's
       question and option rows, say) are not made one symbol, which made a new graph, with
       kernels of its own, each time they later differed;

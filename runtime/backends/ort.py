@@ -84,7 +84,7 @@ def session_options(threads: int | None, cuda: bool = False) -> ort.SessionOptio
     if not cuda:
         # the CPU arena keeps the largest pass's memory for good (a 3,000-token prompt took the
         # worker from 0.99 to 9.8 GB); without it RSS stays at 0.85 GB and short requests are as
-        # fast (docs/measurements/hardening-2026-12-01.md)
+        # fast
         options.enable_cpu_mem_arena = False
     if cuda:
         threads = threads or CUDA_HOST_THREADS
@@ -289,10 +289,10 @@ class OrtBackend(Portable):
     def _providers(self, graphs: bool) -> list:
         if self.device.type != "cuda":
             return ["CPUExecutionProvider"]
-        # TF32 would move float32 answers by ~1e-2 (measured on the H200): parity needs it off
+        # TF32 would move float32 answers by ~1e-2: parity needs it off
         options = {"device_id": self.device.index or 0, "use_tf32": "0"}
         # exhaustive cuDNN search re-times the depthwise conv at every new shape: measured 1.5 s
-        # of a 1.9 s profile on the H200; the heuristic choice brought a request from 977 ms to 250
+        # of a 1.9 s profile; the heuristic choice brought a request from 977 ms to 250
         options["cudnn_conv_algo_search"] = "HEURISTIC"
         if graphs:
             options["enable_cuda_graph"] = "1"
