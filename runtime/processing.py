@@ -67,8 +67,8 @@ KEPT_TEXT_CHARS = 512
 IMAGE_THREADS = 2
 # HF tokenizers' batch encode releases the GIL, but its thread pool waits for cores that
 # PyTorch's threads hold, an order of magnitude slower beside a busy PyTorch thread; with the
-# pool off it costs the same either way, and `encode` one by one holds the GIL throughout. The variable is read at each call; an operator's
-# own setting stays.
+# pool off it costs the same either way, and `encode` one by one holds the GIL throughout. The
+# variable is read at each call; an operator's own setting stays.
 TOKENIZER_POOL = ("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault(*TOKENIZER_POOL)
 
