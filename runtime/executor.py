@@ -25,7 +25,7 @@ from runtime.image_prefix import ImagePrefix
 from runtime.manifest import verify_engine_dir
 from runtime.passes import Plan, early_heads_fit, finished_by_joint, plan
 from runtime.readouts import HostReadouts, Landing, mlps_behind
-from runtime.run_passes import Choices, Dims, PassRunner, Stopwatch, pinned_uint8
+from runtime.run_passes import Choices, Dims, PassRunner, Stopwatch, lane_of, pinned_uint8
 from runtime.types import Prepared, QuestionReadout
 from runtime.warm_up import warm_up_request
 
@@ -226,8 +226,6 @@ class Executor:
         passes execute: where the device runs asynchronously and the plan lets them
         (`early_heads_fit`). Passes in two lanes run at once: the first ends with the second,
         and early heads would only split the heads in two batches."""
-        from runtime.run_passes import lane_of
-
         one_lane = len({lane_of(jp, self.choices.lanes) for jp in work.joint}) == 1
         return self.choices.early_heads and one_lane and early_heads_fit(work)
 
