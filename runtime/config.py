@@ -1,5 +1,9 @@
 """The runtime's settings in one object, read once from the environment and the command line and
 passed down to the executor, the pass planner and the backends (docs/design.md "Settings").
+
+Only what a deployment chooses is a setting; what follows from the device and the engine (CUDA
+graphs, fitted and joint passes, heads on the device, lanes...) is the backend's to declare
+(`runtime.backends.Capabilities`). Every `OMNIJEV_*` variable is read here and nowhere else.
 """
 
 from __future__ import annotations
@@ -16,37 +20,31 @@ PREFIX_CACHE = 8  # image prefixes kept: several questions about one screenshot 
 # holds the 12 speed-bench questions in one pass
 QUESTION_BATCH = 16
 MAX_QUESTION_BATCH = 16  # rows of the largest question pass the engines are built for
+# the worker's Host header allow-list and its documentation routes (server.app)
+ALLOWED_HOSTS = PREFIX + "ALLOWED_HOSTS"  # "a,b" replaces the local names, "*" allows any
+DOCS = PREFIX + "DOCS"  # "0" turns off /docs, /redoc and /openapi.json
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Every setting with its default; None means "decided by the device" (on CUDA: on)."""
+    """Every setting a deployment chooses, with its default."""
 
-    backend: str = "auto"  # auto, onnxruntime (ort), tensorrt, torch
-    device: str | None = None  # cuda, cpu; None picks CUDA when the backend can use it
-    prefix_cache: int = PREFIX_CACHE  # image prefixes kept across requests; 0 turns it off
-    question_batch: int = QUESTION_BATCH  # rows of a question pass (at most MAX_QUESTION_BATCH)
-    static_shapes: bool | None = None  # ONNX Runtime: a session per shape signature
-    cuda_graphs: bool | None = None  # replay passes as CUDA graphs
-    fit_rows: bool | None = None  # passes sized to the request; None: where the engine's
-    # arithmetic keeps a row's bytes whatever the row count (the torch backend checks at load)
-    device_heads: bool | None = None  # the heads' D-wide MLPs on the engine's device; None:
-    # on CUDA, where they keep a row's bytes and agree with the host (Heads.use_device)
-    joint_passes: bool | None = None  # each option pass and its questions' rows as one pass;
-    # None: where the engine has joint passes and keeps a row's bytes in them (the torch backend)
-    early_heads: bool | None = None  # the heads of questions whose joint passes are done run
-    # while the later passes execute; None: on CUDA
-    joint_lanes: bool | None = None  # joint passes of different option lengths run at once on
-    # two CUDA streams (TorchBackend.lane_stream); None: on CUDA with graphs
-    mlps_behind: bool | None = None  # the heads' MLPs enqueued on the device right behind a
-    # request's passes, their outputs back with the readouts; None: wherever the heads' MLPs
-    # run on the engine's device (device_heads)
-    early_prefix: bool = False  # the vision tower and image prefix enqueued as soon as the
-    # image is decoded, while the text is prepared (Executor.start_prefix); off by default: on
-    # the H200 it gave the same whole-request times as after the text (h200-2026-12-04d)
-    share_weights: bool = True  # ONNX Runtime sessions share one copy of the weights
-    ort_threads: int = 0  # ONNX Runtime intra-op threads; 0: its default (one on CUDA)
-    plugin_library: str | None = None  # the TensorRT readout plugin; None: plugins/build/
+    # which engine runs the passes: auto, onnxruntime (ort), tensorrt, torch; auto picks the
+    # fastest that can run here
+    backend: str = "auto"
+    # cuda or cpu: a machine with a GPU may still serve from its CPU; None picks CUDA where the
+    # backend can use it
+    device: str | None = None
+    # image prefixes kept across requests (~50 MiB each on the 4b): memory against reuse of
+    # an image asked about again; 0 turns it off
+    prefix_cache: int = PREFIX_CACHE
+    # rows of a question pass where the engine keeps fixed row counts (ONNX Runtime, TensorRT):
+    # a deployment whose requests ask few questions pads fewer rows (at most MAX_QUESTION_BATCH)
+    question_batch: int = QUESTION_BATCH
+    # ONNX Runtime intra-op threads: the cores a CPU deployment gives the engine; 0: its default
+    ort_threads: int = 0
+    # the TensorRT readout plugin, where the deployment installs it; None: plugins/build/
+    plugin_library: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefix_cache < 0:
@@ -55,6 +53,8 @@ class RuntimeConfig:
             raise ValueError(
                 f"question_batch must be 1..{MAX_QUESTION_BATCH}, got {self.question_batch}"
             )
+        if self.ort_threads < 0:
+            raise ValueError(f"ort_threads must be at least 0, got {self.ort_threads}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> RuntimeConfig:
@@ -77,10 +77,6 @@ class RuntimeConfig:
     def with_(self, **changes) -> RuntimeConfig:
         return replace(self, **changes)
 
-    def on(self, setting: bool | None, cuda: bool) -> bool:
-        """A device-decided setting: as given, else on exactly on CUDA."""
-        return cuda if setting is None else setting
-
 
 def cache_home() -> Path:
     """Where the runtime keeps what it builds for itself (tokenizer files, private copies of
@@ -88,13 +84,21 @@ def cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omnijev"
 
 
+def allowed_hosts(environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """OMNIJEV_ALLOWED_HOSTS as lowercase host names; None where it is not set."""
+    value = (os.environ if environ is None else environ).get(ALLOWED_HOSTS)
+    if value is None:
+        return None
+    return tuple(name.strip().lower() for name in value.split(",") if name.strip())
+
+
+def docs_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the worker serves its documentation routes: OMNIJEV_DOCS other than "0"."""
+    return (os.environ if environ is None else environ).get(DOCS, "1") != "0"
+
+
 def parse(name: str, raw: str, kind: object) -> object:
-    text = str(kind)
-    if "bool" in text:
-        if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
-            raise ValueError(f"{PREFIX}{name.upper()} must be 0 or 1, got {raw!r}")
-        return raw.lower() in ("1", "true", "yes")
-    if "int" in text:
+    if "int" in str(kind):
         try:
             return int(raw)
         except ValueError:
@@ -105,34 +109,28 @@ def parse(name: str, raw: str, kind: object) -> object:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The settings as command-line options (each also `OMNIJEV_<NAME>`), listed in --help."""
     group = parser.add_argument_group("runtime settings (also OMNIJEV_<NAME> variables)")
-    group.add_argument("--backend", default=None, help="auto, onnxruntime, tensorrt or torch")
+    group.add_argument(
+        "--backend", default=None, help="auto, onnxruntime, tensorrt or torch (default: auto)"
+    )
     group.add_argument("--device", default=None, help="cuda or cpu (default: cuda if usable)")
     group.add_argument(
         "--prefix-cache",
         type=int,
         default=None,
-        help=f"image prefixes kept (default {PREFIX_CACHE})",
+        help=f"image prefixes kept, ~50 MiB each on the 4b; 0: none (default {PREFIX_CACHE})",
     )
     group.add_argument(
         "--question-batch",
         type=int,
         default=None,
-        help=f"rows of a question pass, 1..{MAX_QUESTION_BATCH} (default {QUESTION_BATCH})",
+        help=f"rows of a fixed-row question pass, 1..{MAX_QUESTION_BATCH}: fewer pad less where "
+        f"requests ask few questions (default {QUESTION_BATCH})",
     )
-    for name, text in (
-        ("static-shapes", "ONNX Runtime session per shape (default: on CUDA)"),
-        ("cuda-graphs", "replay passes as CUDA graphs (default: on CUDA)"),
-        ("fit-rows", "passes sized to the request (default: where the engine keeps bytes)"),
-        ("device-heads", "the heads' large products on the GPU (default: on CUDA)"),
-        ("joint-passes", "option rows in one pass with their questions (default: where kept)"),
-        ("early-heads", "heads of finished questions beside later passes (default: on CUDA)"),
-        ("joint-lanes", "joint passes at once on two CUDA streams (default: on CUDA)"),
-        ("mlps-behind", "heads' MLPs right behind the passes (default: with device heads)"),
-        ("early-prefix", "image prefix enqueued while the text is prepared (default: off)"),
-        ("share-weights", "ONNX Runtime sessions share the weights (default: on)"),
-    ):
-        group.add_argument(
-            f"--{name}", action=argparse.BooleanOptionalAction, default=None, help=text
-        )
-    group.add_argument("--ort-threads", type=int, default=None, help="ONNX Runtime threads")
-    group.add_argument("--plugin-library", default=None, help="TensorRT readout plugin (.so)")
+    group.add_argument(
+        "--ort-threads", type=int, default=None, help="ONNX Runtime threads (default: its own)"
+    )
+    group.add_argument(
+        "--plugin-library",
+        default=None,
+        help="TensorRT readout plugin .so (default: plugins/build)",
+    )

@@ -20,15 +20,22 @@ VOCABULARY = 248079  # len(tokenizer) with <|opt|>, <|/opt|> (docs/contract.md �
 # The engine graphs (docs/design.md): the vision tower, a language-model pass that returns its
 # states, and the readout-only pass (option rows are leaves).
 GRAPHS = ("vision", "lm_state", "lm_rows")
-# The torch backend's joint pass (`lm_joint`): a question pass's inputs by their names, and each
-# option pass continuing its rows (a part) by its prefix + the names (readouts likewise), the
-# first part's JOINT (runtime.passes.JOINT_PARTS parts at most)
+# The torch backend's joint pass (`lm_joint`): a question pass's inputs by their names, and the
+# option pass continuing its rows by JOINT + the names (readouts likewise)
 JOINT_GRAPH = "lm_joint"
 # The torch backend's vision tower from the decoded uint8 image (`rgb`, then the tower's tables):
 # the device resize and patches in the tower's CUDA graph, not launched op by op before it
 IMAGE_GRAPH = "image"
 JOINT = "opt."
-JOINT_PREFIXES = (JOINT, "opt1.")
+JOINT_PREFIXES = (JOINT,)  # the option part's prefix: one option pass a joint pass
+
+# Token slots of the passes (rows × tokens): runtime.passes plans within them, and the torch
+# backend checks its products' row floors up to them. Longer buckets get fewer rows, so that one
+# long question or option does not pay for a full pass of its length.
+QUESTION_TOKENS = 256  # a question pass: 16 rows × 16, 8 × 32, ...
+WIDE_OPTION_TOKENS = 512  # an option pass of the wide family: 64 rows × 8, 32 × 16, 16 × 24, ...
+SMALL_OPTION_TOKENS = 256  # an option pass of the small family: 32 rows × 8, 16 × 16, ...
+FIT_TOKENS = max(QUESTION_TOKENS, WIDE_OPTION_TOKENS)  # token slots of the largest fitted pass
 
 # dtype names as the manifests, the command line and the backends write them
 DTYPES = {

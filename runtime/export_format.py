@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from runtime.constants import IMAGE_PAD_ID, MODEL_ID, OPTION_TOKENS, SPECIAL_IDS, VOCABULARY
-from runtime.finish import Calibration
-from runtime.heads import head_shapes
+from runtime.types import TYPE_IDS, Calibration
 
 FORMAT = "omnijev-merged/1"
 MANIFEST = "omnijev_export.json"
@@ -30,8 +30,7 @@ HEADS = "heads.safetensors"
 TOKENIZERS_KEPT = 2  # checked tokenizers kept by file (a Qwen tokenizer is tens of MB)
 HASH_BLOCK = 4 * 1024 * 1024  # the worker hashes in 4 MiB blocks (docs/contract.md §8.3)
 # files hashed at once: hashlib lets go of the GIL while it hashes a block, so the shards hash
-# side by side (the 4b export's check took 9.3 s of a 14 s load on the H200's host one file
-# at a time; docs/measurements/h200-2026-12-02c)
+# side by side (one file at a time, the 4b export's check was most of its load)
 HASH_THREADS = 8
 
 # Identity of the published release (docs/contract.md §0.2, §8.2); pinned only for a real export.
@@ -61,6 +60,63 @@ REAL_HIDDEN = 2560  # the executor's check; synthetic exports may be narrower
 # Accepted names of the language model's tensors (docs/contract.md §8.3), longest prefix first.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
 IGNORED_LANGUAGE = ("lm_head.", "mtp.")  # tied output projection; multi-token prediction
+
+# heads.safetensors: every tensor's shape as a function of the hidden size D (contract §6.1-6.2)
+N_FEATS = 6  # LM features per option (contract §6.2)
+OPTION_WIDTH_CAP = 1024  # OptionScorer d_hidden: min(1024, 2·D) (contract §6.1)
+ORDINAL_WIDTH_CAP = 512  # OrdinalScoreHead d_hidden: min(512, D) (contract §6.1)
+
+
+def option_width(hidden: int) -> int:
+    """OptionScorer's inner width for hidden size D."""
+    return min(OPTION_WIDTH_CAP, 2 * hidden)
+
+
+def ordinal_width(hidden: int) -> int:
+    """OrdinalScoreHead's inner width for hidden size D."""
+    return min(ORDINAL_WIDTH_CAP, hidden)
+
+
+def _linear(name: str, out: Callable[[int], int], inp: Callable[[int], int]) -> dict:
+    return {
+        f"{name}.weight": lambda d: (out(d), inp(d)),
+        f"{name}.bias": lambda d: (out(d),),
+    }
+
+
+def _hidden(d: int) -> int:
+    return d
+
+
+def _one(d: int) -> int:
+    return 1
+
+
+def _feats(d: int) -> int:
+    return N_FEATS
+
+
+# Tensor name -> shape as a function of the hidden size D (PyTorch Linear layout [out, in]).
+HEAD_SHAPES: dict[str, Callable[[int], tuple[int, ...]]] = {
+    **_linear("head.opt.0", option_width, _hidden),
+    **_linear("head.opt.2", option_width, option_width),
+    **_linear("head.que.0", option_width, _hidden),
+    **_linear("head.que.2", option_width, option_width),
+    **_linear("head.score", _one, option_width),
+    "head.log_tau": lambda d: (len(TYPE_IDS),),
+    **_linear("head.abstain", _one, option_width),
+    **_linear("head.feat", option_width, _feats),
+    **_linear("head.feat_lin", _one, _feats),
+    **_linear("ord.z.0", ordinal_width, _hidden),
+    **_linear("ord.z.2", _one, ordinal_width),
+    **_linear("ord.cut.0", ordinal_width, _hidden),
+    **_linear("ord.cut.2", _one, ordinal_width),
+}
+
+
+def head_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of `heads.safetensors` and its shape for hidden size D."""
+    return {name: shape(hidden) for name, shape in HEAD_SHAPES.items()}
 
 
 class ExportError(ValueError):

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.errors import ExecutionError
 from runtime.heads import Heads, question_mu, questions_mu
-from runtime.types import QUESTION_TYPES, Question, QuestionReadout
+from runtime.types import Calibration, Question, QuestionReadout
 
 # v1.1 head_meta.json (contract §7.1; the reference README prints the bias as 0.0531085661).
-V11_TEMPERATURES = {"noul": 1.1991, "choice": 1.1199, "score": 1.1909}
-V11_NOUL_BIAS = 0.05310856608843584
 
 DIGITS = 4  # every answer number is round(x, 4) (contract §7.6)
 IDENTITY_SLACK = 1e-6  # _scale returns its input unchanged when |t − 1| is below this
@@ -39,35 +36,6 @@ TORCH_VEC_FLOATS = 8
 TORCH_ILP = 4
 TORCH_LEVELS = 4
 TORCH_LEVEL_POWER = 4  # max(4, ceil(log2(rows)) // 4): 4 for any row count below 2**20
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Per-type temperatures and the Noul log-odds bias (head_meta.json, contract §7.1)."""
-
-    temperatures: dict[str, float]
-    noul_bias: float
-
-    @classmethod
-    def v11(cls) -> Calibration:
-        """The OmniJev v1.1 release's calibration."""
-        return cls(dict(V11_TEMPERATURES), V11_NOUL_BIAS)
-
-    def validate(self) -> Calibration:
-        """Refuse non-positive, non-finite or missing temperatures and a non-finite bias."""
-        temps = self.temperatures
-        if not isinstance(temps, dict) or any(t not in temps for t in QUESTION_TYPES):
-            raise ExecutionError("invalid calibration")
-        for t in QUESTION_TYPES:
-            if not _is_number(temps[t]) or not math.isfinite(temps[t]) or temps[t] <= 0:
-                raise ExecutionError("invalid calibration")
-        if not _is_number(self.noul_bias) or not math.isfinite(self.noul_bias):
-            raise ExecutionError("invalid calibration")
-        return self
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def round4(x: float) -> float:

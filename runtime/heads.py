@@ -19,14 +19,12 @@ import numpy as np
 import torch
 
 from runtime.errors import ExecutionError
+from runtime.export_format import N_FEATS, head_shapes
 from runtime.types import TYPE_IDS, QuestionReadout
 
 log = logging.getLogger("omnijev.heads")
 
 HIDDEN = 2560  # Qwen3.5-4B hidden size (contract §6.1)
-N_FEATS = 6  # LM features per option (contract §6.2)
-OPTION_WIDTH_CAP = 1024  # OptionScorer d_hidden: min(1024, 2·D) (contract §6.1)
-ORDINAL_WIDTH_CAP = 512  # OrdinalScoreHead d_hidden: min(512, D) (contract §6.1)
 
 EMPTY_SUM = np.float32(-1e4)  # lm_option_feats masks an empty option's sum with -1e4 before dist
 FEAT_SCALE = np.float32(10.0)  # sum/10 and n/10 in the features
@@ -40,8 +38,8 @@ ORDINAL_FLOOR = np.float32(1e-8)  # OrdinalScoreHead clamps each level probabili
 # 2 cores, against 1.3 ms with one library (measured with 4b-sized heads).
 SQRT_HALF = math.sqrt(0.5)
 # The MLPs whose first Linear reads D-wide rows (the large weights): `questions_mu` runs each of
-# them over every question's rows before the next. 12 questions, 4b-sized heads, 2-core CI
-# machine: 17.7 ms of CPU question by question, 11.5 ms layer by layer, each question its own
+# them over every question's rows before the next. 12 questions, 4b-sized heads, two cores:
+# 17.7 ms of CPU question by question, 11.5 ms layer by layer, each question its own
 # product (MKL's sgemm for a few rows: ~0.15 ms for one row, ~0.5 ms for 4-5 against a 10 MiB
 # weight). Without MKL's reproducibility mode a row's bytes also followed the row count (1-3
 # and 5-7 rows differed) and the thread count; with it (runtime/__init__.py) only 1-3 rows do,
@@ -58,7 +56,7 @@ MIN_PRODUCT_ROWS = 4
 # A Linear with fewer outputs than this (the 1-wide score, abstain, feature and ordinal outputs)
 # runs as a product of this many, its weight's extra rows zero: MKL's matrix-vector kernel for
 # one output gave a row other bytes in products of other row counts, a 2-, 4- or 8-wide product
-# did not (16-wide did not hold; 2-core CI machine, MKL 2024.2). So those layers stack too, one
+# did not (16-wide did not hold; MKL 2024.2). So those layers stack too, one
 # product for every question's rows; `Heads.stackable` still checks each on the machine at hand.
 NARROW_WIDTH = 4
 # Every Linear of the heads, for the row-invariance check (`Heads.stackable`)
@@ -76,64 +74,10 @@ STACK_CHECK_OFFSETS = (0, 5, 37)
 # On a CUDA device the four MLPs above run as products of exactly this many rows (zero rows fill
 # the last), the worker's FIXED_GEMM_M (docs/contract.md §5): one kernel for any number of
 # questions, so a row's bytes follow only its own inputs; `DeviceMLPs.usable` checks that at load.
-# On the 2-core CI machine the MLPs were 5.4 of the heads' 7.0 ms for 12 questions, 13 of 14.5 ms
-# for 255 options (synthetic 4b-sized heads, tools.hostprofile); on the H200 12 questions' heads
-# took
-# 3.9 ms with them on the GPU against 6.9 (the same answer bytes; h200-2026-12-02).
+# The MLPs are most of the heads' host time, and on the GPU the heads take about half as long with
+# them there (the same answer bytes).
 DEVICE_ROWS = 64
 DEVICE_TOLERANCE = 1e-5  # heads' tolerance against the reference (docs/contract.md §9.3): the check
-
-
-def option_width(hidden: int) -> int:
-    """OptionScorer's inner width for hidden size D."""
-    return min(OPTION_WIDTH_CAP, 2 * hidden)
-
-
-def ordinal_width(hidden: int) -> int:
-    """OrdinalScoreHead's inner width for hidden size D."""
-    return min(ORDINAL_WIDTH_CAP, hidden)
-
-
-def _linear(name: str, out: Callable[[int], int], inp: Callable[[int], int]) -> dict:
-    return {
-        f"{name}.weight": lambda d: (out(d), inp(d)),
-        f"{name}.bias": lambda d: (out(d),),
-    }
-
-
-def _hidden(d: int) -> int:
-    return d
-
-
-def _one(d: int) -> int:
-    return 1
-
-
-def _feats(d: int) -> int:
-    return N_FEATS
-
-
-# Tensor name -> shape as a function of the hidden size D (PyTorch Linear layout [out, in]).
-HEAD_SHAPES: dict[str, Callable[[int], tuple[int, ...]]] = {
-    **_linear("head.opt.0", option_width, _hidden),
-    **_linear("head.opt.2", option_width, option_width),
-    **_linear("head.que.0", option_width, _hidden),
-    **_linear("head.que.2", option_width, option_width),
-    **_linear("head.score", _one, option_width),
-    "head.log_tau": lambda d: (len(TYPE_IDS),),
-    **_linear("head.abstain", _one, option_width),
-    **_linear("head.feat", option_width, _feats),
-    **_linear("head.feat_lin", _one, _feats),
-    **_linear("ord.z.0", ordinal_width, _hidden),
-    **_linear("ord.z.2", _one, ordinal_width),
-    **_linear("ord.cut.0", ordinal_width, _hidden),
-    **_linear("ord.cut.2", _one, ordinal_width),
-}
-
-
-def head_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor of `heads.safetensors` and its shape for hidden size D."""
-    return {name: shape(hidden) for name, shape in HEAD_SHAPES.items()}
 
 
 def erf64(a: np.ndarray) -> np.ndarray:

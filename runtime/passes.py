@@ -15,7 +15,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from runtime.config import QUESTION_BATCH
-from runtime.constants import OPEN_ID
+from runtime.constants import (
+    OPEN_ID,
+    QUESTION_TOKENS,
+    SMALL_OPTION_TOKENS,
+    WIDE_OPTION_TOKENS,
+)
 from runtime.constants import VISION_END_ID as VISION_END
 from runtime.contract import MAX_OPTIONS
 from runtime.types import Prepared, QuestionLayout
@@ -25,66 +30,39 @@ TEXT_STEP = 16  # question-text length bucket (bench questions are 11-17 tokens)
 OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-20)
 # Questions share passes of a FIXED row count per length bucket, padding rows filling the rest,
 # and options likewise: the shape a question runs in is then a function of its own lengths only,
-# and a row's outputs in a fixed-shape pass were byte-identical on the H200 whatever the other
-# rows held and wherever the row sat (4b, BF16, eager and compiled; issue 12). Batches whose
-# size followed the number of questions moved answers by up to 0.055 in BF16 (the kernels
-# follow the batch shape; docs/measurements/h200-2026-11-30b). RuntimeConfig.question_batch is
-# the question passes' row count (QUESTION_ROWS where the caller has none).
+# and a row's outputs in a fixed-shape pass are byte-identical whatever the other rows hold and
+# wherever the row sits. Batches whose size followed the number of questions moved answers in
+# BF16 (the kernels follow the batch shape). RuntimeConfig.question_batch is the question
+# passes' row count (QUESTION_ROWS where the caller has none).
 QUESTION_ROWS = QUESTION_BATCH  # RuntimeConfig's default: the 12 speed-bench questions in one
 OPTION_ROWS = 64  # the reference's option chunk (docs/model.md §8.4): 255 options in 4 passes
-# Longer buckets get fewer rows, so that one long question or option does not pay for a full
-# pass of its length (H200, 4b BF16: a 64 × 8 option pass took 18 ms, and one 18-token option
-# of the 12 speed-bench questions cost a 64 × 24 pass of 35 ms); still a function of the bucket.
-QUESTION_TOKENS = 256  # token slots of a question pass: 16 rows × 16, 8 × 32, ...
-OPTION_TOKENS = 512  # token slots of an option pass: 64 rows × 8, 32 × 16, 16 × 24, ...
-OPTION_BATCH = OPTION_ROWS  # the name the split-pass code and older tests use
 # Option passes come in two families, chosen by the question's OWN number of options (so a row's
-# shape is still a function of its question alone): (most options, rows, token slots). Measured
-# as GPU stages on the H200 (4b, BF16, docs/measurements/h200-2026-12-01c): an option pass of
-# 32 × 8 took 9.2 ms, 64 × 8 14.9 ms; but 255 options took 72 ms in 32-row passes, 63 in 64-row.
+# shape is still a function of its question alone): (most options, rows, token slots). Small
+# passes are faster for a few options, the wide ones for many.
 SMALL_QUESTION_OPTIONS = 32
 OPTION_FAMILIES = (
-    (SMALL_QUESTION_OPTIONS, 32, 256),  # 32 rows × 8, 16 × 16, 8 × 24, ...
-    (MAX_OPTIONS, OPTION_ROWS, OPTION_TOKENS),  # 64 rows × 8, 32 × 16, 16 × 24, ...
+    (SMALL_QUESTION_OPTIONS, 32, SMALL_OPTION_TOKENS),  # 32 rows × 8, 16 × 16, 8 × 24, ...
+    (MAX_OPTIONS, OPTION_ROWS, WIDE_OPTION_TOKENS),  # 64 rows × 8, 32 × 16, 16 × 24, ...
 )
-# Joint passes (`plan(..., joint=True)`): the option passes of a question with at most this many
-# options run with its text's rows as one pass, reading the weights once for both: they are
-# bound by reading the weights (H200, 4b BF16, GPU stages: 1 question 32.8 → 28.1 ms, 32 options
-# 35.5 → 31.5; docs/measurements/h200-2026-12-02b). The wide family's 64 × 8 passes joined with
-# the questions beside them were slower (255 options: 89.6 → 94.3 ms, a question part's rows past
-# 512 costing a tile more), so they do not share joint passes.
+# Joint passes (`plan(..., joint=True)`): each option pass of a question with at most this many
+# options runs with its text's rows as one pass, reading the weights once for both: the passes
+# are bound by reading the weights. The wide family's passes joined with the questions beside
+# them were slower, so they do not share joint passes.
 JOINT_OPTIONS = SMALL_QUESTION_OPTIONS
 # A question with more options joins, but alone (`plan(joint=True, fit=True)`): its text
 # and its own options only, in joint passes of this family, so that every shape it runs in is a
 # function of that question alone and may exceed the token slots the row floors were measured
-# for. One 256 × 8 pass holds 255 options of up to 8 tokens: on the H200 (4b, BF16) the wide
-# family's four 64 × 8 option passes and its question pass took 53.4 + 8.5 ms of device time,
-# each pass paying ~1,300 kernels and a weight read whatever its rows
+# for. One 256 × 8 pass holds 255 options of up to 8 tokens, where the wide family's four passes
+# each paid a weight read and ~1,300 kernels whatever their rows.
 ALONE_ROWS = 256
 ALONE_FAMILY = ((MAX_OPTIONS, ALONE_ROWS, ALONE_ROWS * OPTION_STEP),)  # 256 × 8, 128 × 16, ...
 # An alone question's text runs on through the leading tokens all its option blocks share
 # (`shared_tokens`: at least its first `<|opt|>`; its question part reads the log-probabilities
 # of each option's text tokens there), and its option rows start after them: every row began
 # with those tokens at the same positions from the same state, so their work was the same in
-# each. The `<|opt|>` alone was 255 of the 255-option pass's 1,675 tokens: on the H200, with
-# each readout row read once, its GPU stages went 62.2 → 56.0 ms (h200-2026-12-04c, call 1a,
-# rows 256 × 6). Its options of at most OPTION_STEP tokens then share one pass as wide as the
-# longest of them, in steps of ALONE_STEP. The bench's 255 options ("option 0" …) also share
-# "option" and " ": rows of 256 × 4 token slots where 256 × 8 held them (not yet timed)
+# each. Its options of at most OPTION_STEP tokens then share one pass as wide as the longest of
+# them, in steps of ALONE_STEP.
 ALONE_STEP = 2
-# A joint pass may hold up to this many option passes (its parts) whose questions share a text
-# length bucket: their question rows once, their option rows each in a part of its own length.
-# Two parts took the 12 speed-bench questions (options of 8 and of 24 tokens) from two joint
-# passes to one: 46.1 → 40.9 ms of GPU stages on the H200. But a pass of one part and a pass of
-# two are separate compiled graphs, and a question asked alone then differed from the same
-# question asked with others by up to 0.029 in BF16 (docs/measurements/h200-2026-12-02c): the
-# graphs' fused kernels round their intermediates differently. Every joint pass filled to two
-# parts by a dummy part of padding (one compiled graph whatever else is asked) did not give them
-# either: questions moved by up to 0.0056 asked in reverse order (beside a chunked option-row
-# kernel since removed), and the dummy part cost 1 ms of kernels and 1.5 ms of gaps in a
-# one-question pass (h200-2026-12-02h). So one part, until a row gets the same bytes whatever
-# the parts' sizes; `joint_parts` fills the passes when this is raised
-JOINT_PARTS = 1
 # Fitted passes (`plan(..., fit=True)`): a pass has the rows its questions or options need (the
 # next power of two, at most its bucket's fixed count) instead of the fixed count. Only for an
 # engine whose arithmetic gives a row the same bytes whatever the pass's row count (the torch
@@ -92,8 +70,6 @@ JOINT_PARTS = 1
 # torch.compile's dynamic shapes specialise a size of 1, so a 1-row pass would run code
 # compiled apart from the other row counts: passes keep at least this many rows
 MIN_FITTED_ROWS = 2
-FIT_TOKENS = max(QUESTION_TOKENS, OPTION_TOKENS)  # token slots of the largest fitted pass
-DUMMY_ROWS = MIN_FITTED_ROWS  # a joint pass's dummy part: the smallest fitted option pass
 
 
 def bucket(n: int, step: int) -> int:
@@ -214,17 +190,17 @@ class OptionPass:
 
 @dataclass
 class JointPass:
-    """Option passes (its `parts`, at most JOINT_PARTS) and the rows of the questions they
-    continue, run as one pass (the torch backend's `lm_joint`); `question` holds only the
-    questions the parts read, and each part's `src` indexes its rows."""
+    """An option pass and the rows of the questions it continues, run as one pass (the torch
+    backend's `lm_joint`); `question` holds only the questions its rows continue, and the option
+    rows' `src` indexes them."""
 
     question: QuestionPass
-    parts: list[OptionPass]
+    options: OptionPass
 
     @property
     def tokens(self) -> int:
         """Token slots of the pass: its products' rows."""
-        return sum(int(np.prod(p.rows.shape)) for p in (self.question, *self.parts))
+        return sum(int(np.prod(p.rows.shape)) for p in (self.question, self.options))
 
 
 @dataclass
@@ -452,24 +428,6 @@ def fill_options(
     p.positions[:, : len(chunk)] = bases[:, None] + np.arange(length)
 
 
-def dummy_part(question_pass: int) -> OptionPass:
-    """A part with no option in it: padding rows continuing the question part's first row."""
-    rows = empty_pass(DUMMY_ROWS, OPTION_STEP)
-    return OptionPass(rows=rows, question_pass=question_pass, members=[], u_read={}, text_reads={})
-
-
-def joint_parts(joint_tokens: int) -> int:
-    """Parts of every joint pass: JOINT_PARTS where the row floors hold for the largest joint
-    pass of the small family (a question part and JOINT_PARTS option passes), else one."""
-    largest = QUESTION_TOKENS + JOINT_PARTS * OPTION_FAMILIES[0][2]
-    return JOINT_PARTS if joint_tokens >= largest else 1
-
-
-def filled(ops: list[OptionPass], parts: int) -> list[OptionPass]:
-    """`ops` with dummy parts up to `parts`."""
-    return ops + [dummy_part(ops[0].question_pass) for _ in range(parts - len(ops))]
-
-
 def plan_joint(
     prepared: Prepared,
     spans: list,
@@ -477,28 +435,16 @@ def plan_joint(
     options: list[OptionPass],
     question_rows: int,
     fit: bool,
-    tokens: int = FIT_TOKENS,
-    parts: int = 1,
 ) -> list[JointPass]:
-    """The option passes with the texts of the questions they continue, in a question part of
+    """Each option pass with the texts of the questions it continues, in a question part of
     their own (the rows those questions need, as `plan_questions` sizes a pass of their length
     bucket): a question's text runs again in each joint pass that reads it, so that every
-    question row and every option row always runs in a joint pass. Consecutive option passes
-    of one question pass share a joint pass while it stays within `parts` parts, its
-    question part's rows and `tokens` token slots; every joint pass has `parts` parts, dummy
-    ones filling it. A question's readouts are taken in the first joint pass that holds it."""
-    groups: list[tuple[int, list[OptionPass]]] = []  # (question pass, its option passes)
-    for op in options:
-        last = groups[-1] if groups else None
-        if last and last[0] == op.question_pass and len(last[1]) < parts:
-            if fits(questions[op.question_pass], [*last[1], op], question_rows, fit, tokens):
-                last[1].append(op)
-                continue
-        groups.append((op.question_pass, [op]))
+    question row and every option row always runs in a joint pass. A question's readouts are
+    taken in the first joint pass that holds it."""
     read: set[int] = set()
     joint = []
-    for _, ops in groups:
-        jp = joint_pass(prepared, spans, questions, filled(ops, parts), question_rows, fit, read)
+    for op in options:
+        jp = joint_pass(prepared, spans, questions, op, question_rows, fit, read)
         read |= set(jp.question.members)
         joint.append(jp)
     return joint
@@ -508,51 +454,37 @@ def joint_pass(
     prepared: Prepared,
     spans: list,
     questions: list[QuestionPass],
-    ops: list[OptionPass],
+    op: OptionPass,
     question_rows: int,
     fit: bool,
     read: set[int] | None = None,
 ) -> JointPass:
-    """One joint pass of the option passes `ops` (of one question pass): a question part with
-    the questions their rows continue, in the question pass's order, and each part's `src`
-    pointing at those rows; readouts for the questions not in `read`."""
-    qp = questions[ops[0].question_pass]
-    sources = part_sources(ops)
+    """The joint pass of option pass `op`: a question part with the questions its rows continue,
+    in the question pass's order, and its `src` pointing at those rows; readouts for the
+    questions not in `read`."""
+    qp = questions[op.question_pass]
+    sources = part_sources(op)
     chunk = [qp.members[s] for s in sources]
     length = qp.rows.shape[1]
     rows = question_part_rows(len(chunk), length, question_rows, fit)
     new = set(chunk) - (read or set())
     where = {s: row for row, s in enumerate(sources)}
-    parts = []
-    for op in ops:
-        real = op.rows.src[: len(op.members)]
-        src = np.zeros_like(op.rows.src)
-        src[: len(real)] = [where[int(s)] for s in real]
-        parts.append(replace(op, rows=replace(op.rows, src=src)))
+    real = op.rows.src[: len(op.members)]
+    src = np.zeros_like(op.rows.src)
+    src[: len(real)] = [where[int(s)] for s in real]
     text = question_pass(prepared, spans, chunk, length, rows, new)
-    return JointPass(text, parts)
+    return JointPass(text, replace(op, rows=replace(op.rows, src=src)))
 
 
-def part_sources(ops: list[OptionPass]) -> list[int]:
-    """The question-pass rows the option rows of `ops` continue, in order."""
-    return sorted({int(s) for op in ops for s in op.rows.src[: len(op.members)]})
+def part_sources(op: OptionPass) -> list[int]:
+    """The question-pass rows the option rows of `op` continue, in order."""
+    return sorted({int(s) for s in op.rows.src[: len(op.members)]})
 
 
 def question_part_rows(count: int, length: int, question_rows: int, fit: bool) -> int:
     """Rows of a joint pass's question part holding `count` questions of `length` tokens."""
     most = rows_for(length, question_rows, QUESTION_TOKENS)
     return max(fitted_rows(count, most, fit), count)
-
-
-def fits(
-    qp: QuestionPass, ops: list[OptionPass], question_rows: int, fit: bool, tokens: int
-) -> bool:
-    """Whether the joint pass of `ops` (option passes of `qp`) would stay within the question
-    bucket's rows and `tokens` slots: `joint_pass`'s sizes, without making its arrays."""
-    count, length = len(part_sources(ops)), qp.rows.shape[1]
-    slots = question_part_rows(count, length, question_rows, fit) * length
-    slots += sum(int(np.prod(op.rows.shape)) for op in ops)
-    return count <= rows_for(length, question_rows, QUESTION_TOKENS) and slots <= tokens
 
 
 def joins(layout: QuestionLayout) -> bool:
@@ -566,13 +498,11 @@ def plan(
     question_rows: int = QUESTION_ROWS,
     fit: bool = False,
     joint: bool = False,
-    joint_tokens: int = FIT_TOKENS,
 ) -> Plan:
     """The passes of a request; question passes have `question_rows` rows, option passes their
     family's (fewer for long buckets), whatever else the request asks; with `fit`, each pass
     only the rows it holds (MIN_FITTED_ROWS at least); with `joint`, the questions that `joins`
-    in joint passes of at most `joint_tokens` token slots (where more option passes share
-    one), and with `fit` too every other question alone in joint passes of its own
+    in joint passes, and with `fit` too every other question alone in joint passes of its own
     (`plan_alone`); the rest in question and option passes as before."""
     prefix, n = plan_prefix(prepared)
     layouts = prepared.layouts
@@ -585,29 +515,22 @@ def plan(
     apart = set(range(len(layouts))) - joining - alone
     questions = plan_questions(prepared, spans, question_rows, fit, only=apart)
     work = Plan(prefix, n, questions, plan_options(prepared, questions, fit), joined=joint)
-    parts = joint_parts(joint_tokens)
     if joining:
         mine = plan_questions(prepared, spans, question_rows, fit, only=joining, read=False)
         theirs = plan_options(prepared, mine, fit)
-        work.joint = plan_joint(
-            prepared, spans, mine, theirs, question_rows, fit, joint_tokens, parts
-        )
+        work.joint = plan_joint(prepared, spans, mine, theirs, question_rows, fit)
     for qi in sorted(alone):
-        work.joint += plan_alone(prepared, spans, qi, question_rows, parts)
+        work.joint += plan_alone(prepared, spans, qi, question_rows)
     return work
 
 
-def plan_alone(
-    prepared: Prepared, spans: list, qi: int, question_rows: int, parts: int = 1
-) -> list[JointPass]:
+def plan_alone(prepared: Prepared, spans: list, qi: int, question_rows: int) -> list[JointPass]:
     """Question `qi`'s text (its span through the options' `shared_tokens`) and its options in
-    ALONE_FAMILY passes (fitted), `parts` option passes a joint pass (dummy parts filling the
-    last), holding nothing of any other question: the shapes are a function of that question
-    alone, whatever their token slots."""
+    ALONE_FAMILY passes (fitted), each in a joint pass, holding nothing of any other question:
+    the shapes are a function of that question alone, whatever their token slots."""
     mine = plan_questions(prepared, spans, question_rows, fit=True, only={qi}, read=False)
     theirs = plan_options(prepared, mine, fit=True, families=ALONE_FAMILY, share=True)
-    every_slot = sum(int(np.prod(op.rows.shape)) for op in theirs) + QUESTION_TOKENS  # no bound
-    return plan_joint(prepared, spans, mine, theirs, question_rows, True, every_slot, parts)
+    return plan_joint(prepared, spans, mine, theirs, question_rows, True)
 
 
 def early_heads_fit(work: Plan) -> bool:
@@ -629,8 +552,8 @@ def finished_by_joint(work: Plan) -> list[list[int]]:
     for k, jp in enumerate(work.joint):
         keys = [*jp.question.zq_read, *(qi for qi, _ in jp.question.first_read)]
         keys += [qi for qi, _ in jp.question.open_read]
-        for op in jp.parts:
-            keys += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
+        op = jp.options
+        keys += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
         last.update(dict.fromkeys(keys, k))
     early = range(len(work.joint) - 1)
     return [[qi for qi, at in sorted(last.items()) if at == k] for k in early]

@@ -57,8 +57,7 @@ RESERVED = (OPEN, CLOSE, IMAGE_PAD, "<|video_pad|>", "<|vision_start|>", VISION_
 PROBE = "Is\u00a0it ok?  <|im_end|>x\n\n"  # a check text: spaces, a special token, newlines
 TEMPLATES = 4  # tokenizers whose templates are kept (one a checkpoint, tests load a few)
 # texts (instructions, option texts) whose ids a template keeps: a deployment asks the same
-# questions of many images, and encoding 255 option texts took 2.0 ms on the 2-core CI machine
-# (5.5 on the H200's host), 12 questions 0.6 ms (tools.hostprofile)
+# questions of many images, and encoding hundreds of option texts costs milliseconds
 TEXT_IDS = 4096
 # longer texts are encoded every time, so that what clients send cannot make the kept ids large
 # (4,096 texts of 8,192 characters and their ids would be over a GB; of 512, some tens of MB)
@@ -68,10 +67,9 @@ KEPT_TEXT_CHARS = 512
 # NumPy release the GIL for their work, so the decode runs while this thread tokenizes.
 IMAGE_THREADS = 2
 # HF tokenizers' batch encode releases the GIL, but its thread pool waits for cores that
-# PyTorch's threads hold: 47 texts of 12 questions took 0.15 ms alone and 4.7 ms (p90) beside a
-# busy PyTorch thread on the 2-core CI machine; with the pool off, 0.24 ms either way, and
-# `encode` one by one holds the GIL throughout. The variable is read at each call; an operator's
-# own setting stays.
+# PyTorch's threads hold, an order of magnitude slower beside a busy PyTorch thread; with the
+# pool off it costs the same either way, and `encode` one by one holds the GIL throughout. The
+# variable is read at each call; an operator's own setting stays.
 TOKENIZER_POOL = ("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault(*TOKENIZER_POOL)
 
@@ -388,7 +386,6 @@ def prepare(
     resize: bool = True,
     planner: Callable[[Prepared], object] | None = None,
     allocate: Allocate | None = None,
-    on_image: Callable[[PreparedImage], object] | None = None,
     pending: Future | None = None,
 ) -> Prepared:
     """Decodes the image (unless given, or `pending` from `start_image_of` already), tokenizes
@@ -400,24 +397,17 @@ def prepare(
     from the request without its image, on this thread, while the decode runs. `pack` False
     leaves the patches to the device, and `resize` False the resize as well
     (`runtime.images.prepare_image`); `allocate` gives the decoded image's array where the
-    decode can write into one (`runtime.images.decode_rgb`). `on_image` is called with the
-    prepared image as soon as it is made, on the image thread, and what it returns becomes
-    `Prepared.started` (the executor enqueues the image's passes there, beside the text).
+    decode can write into one (`runtime.images.decode_rgb`).
     """
+    from runtime.images import prepare_image
+
     started = time.perf_counter()
-    begun = None
     if image is None and pending is None:
         encoded = (request.image_mime, request.image_bytes, request.opened)
-        pending = start_image_of(encoded, pack, resize, allocate, on_image)
+        pending = start_image_of(encoded, pack, resize, allocate)
         if pending is None:
-            image, begun = image_then(
-                on_image,
-                request.image_bytes,
-                request.image_mime,
-                request.opened,
-                pack,
-                resize,
-                allocate,
+            image = prepare_image(
+                request.image_bytes, request.image_mime, request.opened, pack, resize, allocate
             )
     draft, planned, failure = None, None, None
     try:
@@ -437,7 +427,7 @@ def prepare(
                 failure = error
     try:
         if pending is not None:
-            image, begun = pending.result()  # an image refusal is raised here, before the text's
+            image = pending.result()  # an image refusal is raised here, before the text's
         if refusal is not None:
             raise refusal
         if failure is not None:
@@ -449,34 +439,22 @@ def prepare(
     if image.grid_thw != grid:  # the header's size gave another grid than the decoded image's
         raise ContractError(PLACEHOLDER_ERROR)
     seconds = time.perf_counter() - started
-    return replace(draft, image=image, planned=planned, started=begun, prepare_seconds=seconds)
-
-
-def image_then(
-    on_image: Callable[[PreparedImage], object] | None, *args
-) -> tuple[PreparedImage, object]:
-    """(`prepare_image(*args)`, what `on_image` returns for it, or None without one)."""
-    from runtime.images import prepare_image
-
-    image = prepare_image(*args)
-    return image, (on_image(image) if on_image is not None else None)
+    return replace(draft, image=image, planned=planned, prepare_seconds=seconds)
 
 
 def start_image_of(
-    image: tuple,
-    pack: bool = True,
-    resize: bool = True,
-    allocate: Allocate | None = None,
-    on_image: Callable[[PreparedImage], object] | None = None,
+    image: tuple, pack: bool = True, resize: bool = True, allocate: Allocate | None = None
 ) -> Future | None:
-    """`image_then` on an image thread, for `runtime.contract.compile_image`'s (MIME type,
-    bytes, open image): from the moment the image has passed the contract; None without the
-    contract's open image."""
+    """`runtime.images.prepare_image` on an image thread, for
+    `runtime.contract.compile_image`'s (MIME type, bytes, open image): from the moment the image
+    has passed the contract; None without the contract's open image."""
+    from runtime.images import prepare_image
+
     mime, data, opened = image
     if opened is None:
         return None
     pool = process_pool("image", IMAGE_THREADS)
-    return pool.submit(image_then, on_image, data, mime, opened, pack, resize, allocate)
+    return pool.submit(prepare_image, data, mime, opened, pack, resize, allocate)
 
 
 def header_grid(request: Request) -> tuple[int, int, int]:

@@ -7,12 +7,17 @@ them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.errors import ExecutionError
+
 QUESTION_TYPES = ("noul", "choice", "score")
 TYPE_IDS = {"noul": 0, "choice": 1, "score": 2}  # OptionScorer's log_tau order
+V11_TEMPERATURES = {"noul": 1.1991, "choice": 1.1199, "score": 1.1909}
+V11_NOUL_BIAS = 0.05310856608843584
 
 
 @dataclass(frozen=True)
@@ -96,11 +101,8 @@ class Prepared:
     prefix_length: int  # the reference's L
     input_tokens: int  # L + sum of row lengths
     prepare_seconds: float = 0.0
-    # (question rows, runtime.passes.Plan) made while preparing, off the execution thread
+    # (pass shape, runtime.passes.Plan) made while preparing, off the execution thread
     planned: tuple | None = field(default=None, compare=False, repr=False)
-    # the vision tower and image prefix enqueued as soon as the image was decoded, while the
-    # text was still being prepared (`Executor.start_prefix`): taken by the first execution
-    started: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def questions(self) -> tuple[Question, ...]:
@@ -122,3 +124,32 @@ class QuestionReadout:
     # the outputs of the heads' MLPs of zq and u (`runtime.heads.mlp_names`: name -> rows),
     # made on the device right behind the passes (`Executor.mlps_behind`); None: made by the heads
     mlps: dict[str, np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per-type temperatures and the Noul log-odds bias (head_meta.json, contract §7.1)."""
+
+    temperatures: dict[str, float]
+    noul_bias: float
+
+    @classmethod
+    def v11(cls) -> Calibration:
+        """The OmniJev v1.1 release's calibration."""
+        return cls(dict(V11_TEMPERATURES), V11_NOUL_BIAS)
+
+    def validate(self) -> Calibration:
+        """Refuse non-positive, non-finite or missing temperatures and a non-finite bias."""
+        temps = self.temperatures
+        if not isinstance(temps, dict) or any(t not in temps for t in QUESTION_TYPES):
+            raise ExecutionError("invalid calibration")
+        for t in QUESTION_TYPES:
+            if not _is_number(temps[t]) or not math.isfinite(temps[t]) or temps[t] <= 0:
+                raise ExecutionError("invalid calibration")
+        if not _is_number(self.noul_bias) or not math.isfinite(self.noul_bias):
+            raise ExecutionError("invalid calibration")
+        return self
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

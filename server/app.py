@@ -15,7 +15,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import socket
 import sys
 import time
@@ -33,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from runtime import config as settings
 from runtime.errors import BodyError, ContractError
 from runtime.strict_json import parse_body
 from runtime.types import Prepared
@@ -87,10 +87,8 @@ GIL_SWITCH_S = 0.0001
 # threads, 6.7 on 8, 12.0 on 4 (docs/measurements/h200-2026-12-01c)
 TORCH_THREADS = 8
 # the Host header must name one of these (a browser page elsewhere cannot reach the worker);
-# OMNIJEV_ALLOWED_HOSTS="a,b" replaces them, "*" allows any
+# OMNIJEV_ALLOWED_HOSTS="a,b" replaces them, "*" allows any (runtime.config.allowed_hosts)
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-ALLOWED_HOSTS_ENV = "OMNIJEV_ALLOWED_HOSTS"
-DOCS_ENV = "OMNIJEV_DOCS"  # "0" turns off /docs, /redoc and /openapi.json
 JSON_TYPE = "application/json"
 WIRES = (NATIVE, typesafe.WIRE, decisions.WIRE)  # the decision routes, one a format
 CREATED = 0  # `GET /v1/models`' creation time: the served model carries none
@@ -102,6 +100,11 @@ class Engine(Protocol):
     """The model side: the contract and preparation, then execution (runtime.executor)."""
 
     model_id: str
+    # whether `execute` is split in two (runtime.executor.Executor's is):
+    # `readouts(prepared)`, the model's passes, which hold the execution thread, and
+    # `respond(prepared, readouts, seconds)`, heads and finishing (`seconds`: the passes' time),
+    # which the worker runs beside the next request's passes (`Worker.execute`)
+    splits: bool
 
     def prepare(self, obj: dict) -> Prepared:
         """Contract and preparation; raises runtime.errors.ContractError (422)."""
@@ -111,13 +114,12 @@ class Engine(Protocol):
         """The response object; any exception is a failed execution (500)."""
         ...
 
-    # An engine may also split `execute` in two (runtime.executor.Executor does):
-    # `readouts(prepared)`, the model's passes, which hold the execution thread, and
-    # `respond(prepared, readouts, seconds)`, heads and finishing (`seconds`: the passes' time),
-    # which the worker runs beside the next request's passes (`Worker.execute`).
-
     def warm_up_request(self) -> dict:
         """The warm-up request body of docs/contract.md §1.2."""
+        ...
+
+    def settle(self) -> int:
+        """Waits for work the engine builds in the background; how many builds there were."""
         ...
 
 
@@ -315,10 +317,7 @@ class RequestLog:
 
 def allowed_hosts_from_env() -> tuple[str, ...]:
     """OMNIJEV_ALLOWED_HOSTS as a tuple of host names, else the local names."""
-    value = os.environ.get(ALLOWED_HOSTS_ENV)
-    if value is None:
-        return LOCAL_HOSTS
-    return tuple(name.strip().lower() for name in value.split(",") if name.strip())
+    return settings.allowed_hosts() or LOCAL_HOSTS
 
 
 def host_name(value: str) -> str:
@@ -381,8 +380,7 @@ class Worker:
         start = time.perf_counter()
         try:
             await self._warm_up_round()
-            settle = getattr(self.engine, "settle", None)
-            if settle is not None and await asyncio.to_thread(settle):
+            if await asyncio.to_thread(self.engine.settle):
                 for _ in range(SETTLED_ROUNDS):
                     await self._warm_up_round()
         except Exception:
@@ -437,13 +435,6 @@ class Worker:
         translation = wire.translate(obj)
         return self.engine.prepare(translation.native), translation
 
-    def split(self) -> bool:
-        """Whether the engine has `readouts` and `respond` (see `Engine`)."""
-        engine = self.engine
-        return callable(getattr(engine, "readouts", None)) and callable(
-            getattr(engine, "respond", None)
-        )
-
     async def execute(
         self, ticket: Ticket, prepared: Prepared, answer: Callable[[dict], dict] = unchanged
     ) -> bytes:
@@ -451,7 +442,7 @@ class Worker:
         With a split engine the execution thread runs only the passes; heads, finishing and the
         JSON run on a responding thread while the next request's passes run (issue 13), with the
         same answer bytes as `execute`."""
-        if not self.split():
+        if not self.engine.splits:
             response = await self.scheduler.execute(ticket, self.engine.execute, prepared)
             return encode(answer(response))
         passes = await self.scheduler.execute(ticket, self._readouts, prepared)
@@ -514,7 +505,7 @@ def create_app(
     slots = Uploads(uploads)
     draining = asyncio.Event()  # set by ListeningServer when shutdown begins
     if docs is None:
-        docs = os.environ.get(DOCS_ENV, "1") != "0"
+        docs = settings.docs_enabled()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -717,19 +708,21 @@ def serve(app: FastAPI, host: str, port: int, sock: socket.socket | None = None)
     server.run(sockets=[sock])
 
 
-def cli_serve(args: Any) -> int:
+def cli_serve(args: Any, load: Callable[..., Engine] | None = None) -> int:
     """`omnijev serve --checkpoint DIR --engines DIR [--backend auto] [--host H --port P]`.
 
-    The port is bound before the model loads. Host allow-list: `--allowed-host` (repeatable),
-    else OMNIJEV_ALLOWED_HOSTS; `--no-docs` (or OMNIJEV_DOCS=0) turns the documentation routes
-    off.
+    The port is bound before the model loads (by `load`: runtime.executor.load_engine where
+    None). Host allow-list: `--allowed-host` (repeatable), else OMNIJEV_ALLOWED_HOSTS;
+    `--no-docs` (or OMNIJEV_DOCS=0) turns the documentation routes off.
     """
     from runtime.config import RuntimeConfig
-    from runtime.executor import load_engine
+
+    if load is None:
+        from runtime.executor import load_engine as load
 
     warm_ups = [read_warm_up(path) for path in args.warm_up or ()]
     sock = bind(args.host, args.port)
-    engine = load_engine(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
+    engine = load(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
     app = create_app(
         engine,
         warm_ups=warm_ups,

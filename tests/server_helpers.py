@@ -24,10 +24,10 @@ import httpx
 import uvicorn
 
 from runtime.contract import compile_request
-from runtime.executor import warm_up_request
 from runtime.processing import prepare
 from runtime.tokenizer import load_tokenizer
 from runtime.types import Prepared
+from runtime.warm_up import warm_up_request
 from server.app import Engine, ListeningServer, create_app, worker_config
 from tools import fuzz
 from tools.fuzz import data_url, png_bytes  # noqa: F401 - the tests import them from here
@@ -51,6 +51,7 @@ class RealishEngine:
     """
 
     model_id = MODEL_ID
+    splits = False  # `execute` whole
 
     def __init__(
         self,
@@ -72,6 +73,9 @@ class RealishEngine:
         self.running = 0
         self.most_running = 0  # executions at once, at most
         self.executed: list[str] = []  # first question id of each finished execution, in order
+
+    def settle(self) -> int:
+        return 0  # nothing builds in the background
 
     def warm_up_request(self) -> dict:
         if self.warm_up_gate is not None and not self.warm_up_gate.wait(HOLD_S):
@@ -311,12 +315,12 @@ def main() -> None:
     args = parser.parse_args()
     engine = RealishEngine(execute_delay=args.execute_delay)
     if args.port is not None:
-        import runtime.executor
-        from runtime.cli import main as omnijev
+        from runtime.cli import build_parser
+        from server.app import cli_serve
 
-        runtime.executor.load_engine = lambda *_: engine  # cli_serve imports it when it runs
         unused = os.devnull
-        omnijev(["serve", "--checkpoint", unused, "--engines", unused, "--port", str(args.port)])
+        argv = ["serve", "--checkpoint", unused, "--engines", unused, "--port", str(args.port)]
+        cli_serve(build_parser().parse_args(argv), load=lambda *_: engine)
         return
     server = worker_server(create_app(engine))
     server.run(sockets=[socket.socket(fileno=args.fd)])  # exits 0 after SIGTERM

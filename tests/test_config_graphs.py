@@ -15,32 +15,59 @@ from runtime.config import RuntimeConfig
 
 def test_defaults_then_environment_then_overrides():
     assert RuntimeConfig.from_env({}) == RuntimeConfig()
-    env = {"OMNIJEV_PREFIX_CACHE": "0", "OMNIJEV_STATIC_SHAPES": "1", "OMNIJEV_BACKEND": "ort"}
-    config = RuntimeConfig.from_env(env, backend="torch", cuda_graphs=None)
-    assert (config.prefix_cache, config.static_shapes, config.backend) == (0, True, "torch")
-    assert config.cuda_graphs is None and config.on(config.cuda_graphs, cuda=True)
-    assert not config.on(False, cuda=True) and not config.on(None, cuda=False)
+    env = {"OMNIJEV_PREFIX_CACHE": "0", "OMNIJEV_ORT_THREADS": "2", "OMNIJEV_BACKEND": "ort"}
+    config = RuntimeConfig.from_env(env, backend="torch", device=None)
+    assert (config.prefix_cache, config.ort_threads, config.backend) == (0, 2, "torch")
+    assert config.device is None
 
 
 def test_bad_settings_are_refused_with_the_limit():
     with pytest.raises(ValueError, match="OMNIJEV_PREFIX_CACHE must be an integer, got 'x'"):
         RuntimeConfig.from_env({"OMNIJEV_PREFIX_CACHE": "x"})
-    with pytest.raises(ValueError, match="OMNIJEV_CUDA_GRAPHS must be 0 or 1"):
-        RuntimeConfig.from_env({"OMNIJEV_CUDA_GRAPHS": "maybe"})
     with pytest.raises(ValueError, match="question_batch must be 1..16, got 17"):
         RuntimeConfig(question_batch=17)
+    with pytest.raises(ValueError, match="ort_threads must be at least 0, got -1"):
+        RuntimeConfig.from_env({"OMNIJEV_ORT_THREADS": "-1"})
 
 
 def test_command_line_options_cover_every_setting():
     parser = argparse.ArgumentParser()
     settings.add_arguments(parser)
-    args = parser.parse_args(["--backend", "torch", "--no-share-weights", "--question-batch", "4"])
+    args = parser.parse_args(["--backend", "torch", "--question-batch", "4"])
     config = RuntimeConfig.from_args(args, environ={"OMNIJEV_ORT_THREADS": "3"})
-    assert (config.backend, config.share_weights, config.question_batch) == ("torch", False, 4)
+    assert (config.backend, config.question_batch) == ("torch", 4)
     assert config.ort_threads == 3  # the environment where the command line is silent
     options = {a.dest for a in parser._actions}
     fields = set(RuntimeConfig.__dataclass_fields__)
-    assert fields <= options
+    assert fields == options - {"help"}  # every setting an option, and no option more
+
+
+def test_the_servers_settings_are_read_here():
+    assert settings.allowed_hosts({}) is None
+    hosts = settings.allowed_hosts({"OMNIJEV_ALLOWED_HOSTS": " A.example, b ,"})
+    assert hosts == ("a.example", "b")
+    assert settings.docs_enabled({}) and not settings.docs_enabled({"OMNIJEV_DOCS": "0"})
+
+
+def test_every_backend_declares_what_the_executor_uses():
+    """The executor's optional uses of a backend are on the protocol: the portable engines
+    answer that they have no lanes, lend no buffers and keep fixed rows."""
+    from runtime.backends import Backend, Capabilities
+    from runtime.backends.base import Portable
+    from runtime.backends.compiled import TorchBackend
+    from runtime.backends.ort import OrtBackend
+    from runtime.backends.trt import TensorRTBackend
+
+    for kind in (OrtBackend, TensorRTBackend, TorchBackend):
+        for name in ("lane_stream", "state_buffer", "run", "has_graph", "prepare", "settle"):
+            assert callable(getattr(kind, name)), (kind, name)
+    portable = Portable()
+    assert portable.capabilities == Capabilities() and portable.capabilities.lanes == 1
+    assert portable.lane_stream(1) is None
+    assert portable.state_buffer("src_rec.0", (1,), torch.float32) is None
+    with pytest.raises(ValueError, match="lm_joint has no lane 1"):
+        portable.check_lane("lm_joint", 1)
+    assert "capabilities" in Backend.__annotations__
 
 
 def doubling_slots(size: int) -> tuple[GraphSlots, list]:

@@ -20,7 +20,7 @@ from build_engines import trt_build
 from runtime import manifest as manifests
 from runtime.constants import GRAPHS
 from runtime.model.gdn import STD_MAX_TOKENS
-from runtime.passes import OPTION_BATCH
+from runtime.passes import OPTION_ROWS
 
 trt = manifests.import_library()
 needs_library = pytest.mark.skipif(trt is None, reason="no tensorrt or tensorrt_rtx importable")
@@ -235,13 +235,13 @@ def test_manifest_records_library_inputs_and_hashes(built):
         assert record["sha256"] == hashlib.sha256((root / relative).read_bytes()).hexdigest()
     assert entry["sha256"] == hashlib.sha256((root / entry["plan"]).read_bytes()).hexdigest()
     assert [p["name"] for p in entry["profiles"]] == ["rows"]
-    assert entry["profiles"][0]["shapes"]["input_ids"]["max"] == [OPTION_BATCH, STD_MAX_TOKENS]
+    assert entry["profiles"][0]["shapes"]["input_ids"]["max"] == [OPTION_ROWS, STD_MAX_TOKENS]
 
 
 def test_profiles_cover_the_contract_limits():
     (name, axes), = trt_build.LM_PROFILES  # fmt: skip
     assert axes["T"][2] == STD_MAX_TOKENS == trt_build.MAX_PASS_TOKENS
-    assert axes["B"][2] == OPTION_BATCH and axes["S"][2] >= OPTION_BATCH
+    assert axes["B"][2] == OPTION_ROWS and axes["S"][2] >= OPTION_ROWS
     assert axes["P"][2] >= 8192 and axes["Q"][2] >= 8192  # a question's whole sequence
     assert axes["N"][2] == 2352 // 4 and axes["R"][2] == axes["M"][2] == 64 * 64
     (_, vision), = trt_build.VISION_PROFILES  # fmt: skip

@@ -80,8 +80,8 @@ def test_readouts_match_reference_states(executor, reference):
 
 
 def test_answer_does_not_depend_on_other_questions_or_order(executor):
-    executor.prefix_cache.entries.clear()
-    executor.prefix_cache.size = 0  # recompute the image prefix for every request
+    executor.prefix.cache.entries.clear()
+    executor.prefix.cache.size = 0  # recompute the image prefix for every request
     image, mime = IMAGES["pattern.png"]
     questions = {**speed_bench_questions(12), **gate_questions()}
     together = without_latency(executor.answer(request_body(image, questions, mime)))
@@ -144,17 +144,17 @@ def test_prefix_cache_reuses_the_image_prefix_without_changing_answers(executor)
 
     image, mime = IMAGES["photo.jpg"]
     body = request_body(image, speed_bench_questions(3), mime)
-    executor.prefix_cache = LRU(0)
+    executor.prefix.cache = LRU(0)
     computed = without_latency(executor.answer(body))
-    executor.prefix_cache = LRU(2)
+    executor.prefix.cache = LRU(2)
     first = without_latency(executor.answer(body))
     second = without_latency(executor.answer(body))
-    assert (executor.prefix_cache.misses, executor.prefix_cache.hits) == (1, 1)
+    assert (executor.prefix.cache.misses, executor.prefix.cache.hits) == (1, 1)
     assert json.dumps(first) == json.dumps(computed) == json.dumps(second)
     for size in ((64, 48), (96, 64)):  # two more images evict the first (LRU of 2)
         executor.answer(request_body(pattern_png(*size), speed_bench_questions(1)))
     executor.answer(body)
-    assert executor.prefix_cache.misses == 4 and len(executor.prefix_cache.entries) == 2
+    assert executor.prefix.cache.misses == 4 and len(executor.prefix.cache.entries) == 2
 
 
 def test_prefix_keys_of_images_the_device_resizes(executor):
@@ -162,7 +162,7 @@ def test_prefix_keys_of_images_the_device_resizes(executor):
     request gives the same key, another image another key, and the key is not the one of the
     same image resized on the host (the two kinds never meet in one worker)."""
     from runtime.contract import compile_request
-    from runtime.executor import prefix_key
+    from runtime.image_prefix import prefix_key
     from runtime.passes import plan
     from runtime.processing import prepare
     from runtime.strict_json import parse_body
@@ -178,16 +178,23 @@ def test_prefix_keys_of_images_the_device_resizes(executor):
     assert key(first, True) == key(first, True) != key(first, False)
 
 
-def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypatch):
-    """OMNIJEV_STATIC_SHAPES: one session per shape signature with its dimensions fixed (the way
-    to CUDA graphs on ONNX Runtime), built in the background while the dynamic session answers;
-    the answers must not move when the fixed sessions take over."""
+def static_executor(engines):
+    """An executor on ONNX Runtime sessions with their shapes fixed."""
+    from runtime.backends.ort import OrtBackend
     from runtime.executor import load_engine
 
-    monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
-    static = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+    backend = OrtBackend(engines[1], static_shapes=True)
+    return load_engine(str(engines[0]), str(engines[1]), "onnxruntime", backend=backend)
+
+
+def test_static_shape_sessions_give_the_same_answers(engines, executor):
+    """`OrtBackend(static_shapes=True)` (on CUDA by default): one session per shape signature
+    with its dimensions fixed (the way to CUDA graphs on ONNX Runtime), built in the background
+    while the dynamic session answers; the answers must not move when the fixed sessions take
+    over."""
+    static = static_executor(engines)
     assert static.backend.static
-    static.prefix_cache.size = 0  # the image must go through vision again
+    static.prefix.cache.size = 0  # the image must go through vision again
     image, mime = IMAGES["pattern.png"]
     body = request_body(image, speed_bench_questions(6), mime)
     expected = json.dumps(without_latency(executor.answer(body)))
@@ -208,10 +215,7 @@ def test_static_shape_sessions_give_the_same_answers(engines, executor, monkeypa
 def test_a_failed_fixed_shape_build_leaves_the_dynamic_session_answering(
     engines, executor, monkeypatch
 ):
-    from runtime.executor import load_engine
-
-    monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
-    static = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+    static = static_executor(engines)
 
     def refuse(graph, shapes):
         raise RuntimeError("no memory for another session")
@@ -227,19 +231,14 @@ def test_a_failed_fixed_shape_build_leaves_the_dynamic_session_answering(
     assert static.settle() == 0  # failed signatures are not tried again
 
 
-def test_graph_sessions_replay_under_their_own_ids_while_fixed_ones_build(
-    engines, executor, monkeypatch
-):
+def test_graph_sessions_replay_under_their_own_ids_while_fixed_ones_build(engines, executor):
     """A dynamic session that took CUDA graphs (the vision graph can) answers under a graph id
     per signature while that signature's fixed-shape session is still being built, never under
     ONNX Runtime's default id (which would replay another shape's graph). On the CPU the ids are
     ignored; the dispatch and the answers are what is checked."""
-    from runtime.executor import load_engine
-
-    monkeypatch.setenv("OMNIJEV_STATIC_SHAPES", "1")
-    static = load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+    static = static_executor(engines)
     static.backend.graphs_on["vision"] = True
-    static.prefix_cache.size = 0
+    static.prefix.cache.size = 0
     image, mime = IMAGES["pattern.png"]
     body = request_body(image, speed_bench_questions(1), mime)
     expected = json.dumps(without_latency(executor.answer(body)))
@@ -252,14 +251,20 @@ def test_graph_sessions_replay_under_their_own_ids_while_fixed_ones_build(
     assert "vision" in static.backend.stats()["fixed_graphs"]  # now the fixed session's
 
 
-def test_batched_questions_answer_alike_on_the_cpu(executor, monkeypatch):
-    """OMNIJEV_QUESTION_BATCH (fewer passes) still computes the same rows; on the CPU in float32
-    the answers agree byte for byte (on the GPU in BF16 they need not: see runtime/passes.py)."""
+def test_batched_questions_answer_alike_on_the_cpu(engines, executor):
+    """RuntimeConfig.question_batch (rows of a question pass) still computes the same rows; on
+    the CPU in float32 the answers agree byte for byte (on the GPU in BF16 they need not: see
+    runtime/passes.py)."""
+    from runtime.config import RuntimeConfig
+    from runtime.executor import load_engine
+
     image, mime = IMAGES["pattern.png"]
     body = request_body(image, {**speed_bench_questions(6), **gate_questions()}, mime)
     one = json.dumps(without_latency(executor.answer(body)))
-    executor.config = executor.config.with_(question_batch=16)
-    assert json.dumps(without_latency(executor.answer(body))) == one
+    config = RuntimeConfig(backend="onnxruntime", question_batch=2)
+    fewer = load_engine(str(engines[0]), str(engines[1]), config, backend=executor.backend)
+    assert fewer.pass_shape() == (2, False)
+    assert json.dumps(without_latency(fewer.answer(body))) == one
 
 
 def test_patches_made_on_the_device_give_the_same_answers(executor):
@@ -269,24 +274,23 @@ def test_patches_made_on_the_device_give_the_same_answers(executor):
     from runtime.processing import prepare
     from runtime.strict_json import parse_body
 
-    executor.prefix_cache.clear()
+    executor.prefix.cache.clear()
     image, mime = IMAGES["pattern.png"]
     obj = parse_body(request_body(image, speed_bench_questions(3), mime))
     packed = prepare(compile_request(obj), executor.tokenizer, pack=True)
     unpacked = prepare(compile_request(obj), executor.tokenizer, pack=False)
     assert unpacked.image.pixel_values is None
     one = json.dumps(without_latency(executor.execute(packed)))
-    executor.prefix_cache.clear()
+    executor.prefix.cache.clear()
     assert json.dumps(without_latency(executor.execute(unpacked))) == one
     # and as a GPU executor prepares: the decoded image resized on the device as well
     unresized = prepare(compile_request(obj), executor.tokenizer, pack=False, resize=False)
     assert unresized.image.resized is None
-    executor.prefix_cache.clear()
+    executor.prefix.cache.clear()
     assert json.dumps(without_latency(executor.execute(unresized))) == one
 
 
-def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):
-    import runtime.executor as executor_module
+def test_the_pass_plan_is_made_while_preparing(executor):
     from runtime.passes import plan
 
     obj = json.loads(request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png"))
@@ -296,28 +300,19 @@ def test_the_pass_plan_is_made_while_preparing(executor, monkeypatch):
     assert shape == (executor.config.question_batch, executor.pass_shape()[1])
     assert work.prefix.input_ids.tolist() == plan(prepared, *shape).prefix.input_ids.tolist()
     expected = executor.execute(prepared)
-
-    made = []
-
-    def counted(*args, **kwargs):
-        made.append(args[1])
-        return plan(*args, **kwargs)
-
-    monkeypatch.setattr(executor_module, "plan", counted)
-    again = executor.execute(prepared)
-    assert made == []  # the prepared plan served
-    assert without_latency(again) == without_latency(expected)
+    assert executor.work_of(prepared) is work  # the prepared plan serves
     stale = dataclasses.replace(prepared, planned=((rows + 1, fit), work))
+    again = executor.work_of(stale)  # a plan for other question rows is made again
+    assert again is not work and again.questions[0].rows.shape == work.questions[0].rows.shape
     assert without_latency(executor.execute(stale)) == without_latency(expected)
-    assert made == [rows]  # a plan for other question rows is made again
 
 
 def test_the_empty_state_is_made_once_and_stays_empty(executor):
     """Every prefix pass continues one empty state; no pass writes into its sources."""
-    empty = executor.empty_state()
-    executor.prefix_cache.clear()
+    empty = executor.runner.empty_state()
+    executor.prefix.cache.clear()
     body = request_body(pattern_png(96, 64), speed_bench_questions(3), "image/png")
     executor.answer(body)
-    assert executor.empty_state() is empty
+    assert executor.runner.empty_state() is empty
     tensors = [*empty.k, *empty.v, *empty.conv, *empty.rec, empty.mask]
     assert all(not t.any() for t in tensors)

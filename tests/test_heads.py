@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from runtime.errors import ExecutionError
+from runtime.export_format import HEAD_SHAPES, head_shapes
 from runtime.heads import (
-    HEAD_SHAPES,
     Heads,
     erf64,
     erfc64,
     gelu,
-    head_shapes,
     lm_features,
     option_probabilities,
     question_mu,

@@ -1,6 +1,7 @@
 """The packages' layering (docs/design.md "Layers"): `runtime/` at the bottom, importing only
 `plugins/`; `build_engines/`, `server/`, `calibration/` and `reference/` above it and never into
-each other; `tools/` and `runtime/cli.py` above everything; and no import cycle between files.
+each other; `tools/` and `runtime/cli.py` above everything; inside `runtime/`, its own order of
+layers (`RUNTIME_LAYERS`, docs/design.md "Inside runtime/"); and no import cycle between files.
 Every import counts, the lazy ones inside functions too."""
 
 from __future__ import annotations
@@ -31,6 +32,23 @@ ALLOWED = {
     "bench": set(PACKAGES),  # the measurements; only runtime/cli.py (TOP) imports them
 }
 TOP = ("runtime/cli.py",)  # the command line dispatches to every layer
+# runtime/'s modules from the bottom up: a module imports only from its own layer or below
+RUNTIME_LAYERS = (
+    ("shared names and settings", ("runtime", "runtime.constants", "runtime.config",
+                                   "runtime.errors", "runtime.types", "runtime.lru",
+                                   "runtime.pools")),
+    ("formats", ("runtime.export_format", "runtime.manifest")),
+    ("request input", ("runtime.strict_json", "runtime.images", "runtime.contract",
+                       "runtime.tokenizer", "runtime.processing", "runtime.warm_up",
+                       "runtime.explain")),
+    ("model", ("runtime.model",)),
+    ("passes", ("runtime.passes",)),
+    ("backends", ("runtime.backends",)),
+    ("heads and finishing", ("runtime.heads", "runtime.finish")),
+    ("execution stages", ("runtime.run_passes", "runtime.image_prefix", "runtime.readouts")),
+    ("executor", ("runtime.executor",)),
+    ("command line", ("runtime.cli",)),
+)  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -79,6 +97,31 @@ def layer_violations(edges: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+def runtime_layer(name: str) -> int:
+    """The index in RUNTIME_LAYERS of a runtime module (a package's modules are its layer's)."""
+    best, rank = "", -1
+    for index, (_, members) in enumerate(RUNTIME_LAYERS):
+        for member in members:
+            inside = name == member or name.startswith(member + ".")
+            if inside and len(member) > len(best):
+                best, rank = member, index
+    if rank < 0:
+        raise AssertionError(f"{name} is in no layer of RUNTIME_LAYERS")
+    return rank
+
+
+def runtime_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Imports inside runtime/ from a higher layer than the importer's."""
+    problems = []
+    for name, targets in sorted(edges.items()):
+        if name.split(".")[0] != "runtime":
+            continue
+        for target in sorted(targets):
+            if target.split(".")[0] == "runtime" and runtime_layer(target) > runtime_layer(name):
+                problems.append(f"{name} imports {target}")
+    return problems
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one file (Tarjan's algorithm)."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
@@ -114,6 +157,10 @@ def test_every_package_imports_only_downwards():
     assert layer_violations(graph()) == []
 
 
+def test_runtime_imports_only_its_own_layer_or_below():
+    assert runtime_violations(graph()) == []
+
+
 def test_no_import_cycle_between_files():
     assert cycles(graph()) == []
 
@@ -123,3 +170,13 @@ def test_the_checks_catch_what_they_forbid():
     assert layer_violations(edges) == ["runtime.executor imports build_engines.engines"]
     assert layer_violations({"server.app": {"reference.mso1"}, "reference.mso1": set()})
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    upward = {"runtime.export_format": {"runtime.heads"}, "runtime.heads": {"runtime.types"}}
+    assert runtime_violations(upward) == ["runtime.export_format imports runtime.heads"]
+    assert runtime_violations({"runtime.backends.compiled": {"runtime.executor"}})
+    assert not runtime_violations({"runtime.backends.compiled": {"runtime.model.layers"}})
+
+
+def test_every_runtime_module_has_a_layer():
+    for name in source_files():
+        if name.split(".")[0] == "runtime":
+            runtime_layer(name)

@@ -11,12 +11,11 @@ import pytest
 
 from bench.workloads import choice_with
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
+from runtime.constants import FIT_TOKENS, QUESTION_TOKENS
 from runtime.contract import compile_request
 from runtime.passes import (
-    FIT_TOKENS,
     OPTION_ROWS,
     QUESTION_ROWS,
-    QUESTION_TOKENS,
     SMALL_QUESTION_OPTIONS,
     option_family,
     plan,
@@ -198,38 +197,27 @@ def test_option_passes_are_their_rows_filled_one_by_one(tokenizer, fit):
 
 
 @pytest.mark.parametrize("fit", [False, True])
-@pytest.mark.parametrize("tokens", [FIT_TOKENS, 768])
-@pytest.mark.parametrize("parts", [1, 2])
-def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
-    tokenizer, fit, tokens, parts, monkeypatch
-):
+def test_joint_passes_hold_option_passes_with_the_rows_they_continue(tokenizer, fit):
     """plan(joint=True): the questions with at most JOINT_OPTIONS options (their own count)
-    run in joint passes: up to JOINT_PARTS option passes of one question pass, with a question
-    part of exactly the questions their rows continue (`src` pointing at the same question),
-    sized as a question pass of that bucket, within `joint_tokens` slots; the others, fitted,
-    in joint passes of their own (`plan_alone`, after the shared ones), else in question and
-    option passes as before. Every option row once, every question's readouts once."""
-    from runtime import passes
+    run in joint passes: each option pass with a question part of exactly the questions its
+    rows continue (`src` pointing at the same question), sized as a question pass of that
+    bucket; the others, fitted, in joint passes of their own (`plan_alone`, after the shared
+    ones), else in question and option passes as before. Every option row once, every
+    question's readouts once."""
     from runtime.passes import (
-        DUMMY_ROWS,
         JOINT_OPTIONS,
-        OPTION_STEP,
-        fits,
         fitted_rows,
-        joint_parts,
-        joint_pass,
         plan_options,
         plan_questions,
         question_span,
         shared_tokens,
     )
 
-    monkeypatch.setattr(passes, "JOINT_PARTS", parts)
     questions = {**QUESTIONS, "wide": choice_with(70)["wide"]}
     request = compile_request(parse_body(request_body(IMAGE, questions)))
     prepared = prepare(request, tokenizer)
     layouts = prepared.layouts
-    work = plan(prepared, QUESTION_ROWS, fit, joint=True, joint_tokens=tokens)
+    work = plan(prepared, QUESTION_ROWS, fit, joint=True)
     joining = {qi for qi, layout in enumerate(layouts) if len(layout.opens) <= JOINT_OPTIONS}
     others = set(range(len(layouts))) - joining
     assert work.joined and work.joint and others
@@ -238,32 +226,22 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
     assert bool(alone) == fit and work.joint[len(work.joint) - len(alone) :] == alone
     assert {qi for jp in alone for qi in jp.question.members} == (others if fit else set())
     alone_ids = {id(jp) for jp in alone}
-    filled = joint_parts(tokens)  # every joint pass's parts, dummy ones filling it
-    assert filled == (parts if tokens >= QUESTION_TOKENS + parts * 256 else 1)
 
-    def real(jp):
-        return [op for op in jp.parts if op.members]
-
-    rows = [m for jp in work.joint for op in jp.parts for m in op.members]
+    rows = [m for jp in work.joint for m in jp.options.members]
     rows += [m for op in work.options for m in op.members]
     assert sorted(rows) == sorted((qi, k) for qi, lay in enumerate(layouts)
                                   for k in range(len(lay.opens)))  # fmt: skip
     read = [qi for qp in work.questions for qi in qp.zq_read]
     for jp in work.joint:
-        part = jp.question
-        assert len(jp.parts) == filled and real(jp)
-        for op in jp.parts[len(real(jp)) :]:  # dummies last: padding rows, nothing read
-            assert op.rows.shape == (DUMMY_ROWS, OPTION_STEP) and not op.rows.read_rows
-            assert not op.rows.targets and not op.rows.src.any()
+        part, op = jp.question, jp.options
+        assert op.members
         if id(jp) in alone_ids:
             assert len(part.members) == 1
         else:
-            assert jp.tokens <= tokens and set(part.members) <= joining
-        members = [m for op in jp.parts for m in op.members]
-        assert sorted(part.members) == sorted({qi for qi, _ in members})
-        for op in real(jp):
-            for row, (qi, _) in enumerate(op.members):
-                assert part.members[op.rows.src[row]] == qi
+            assert jp.tokens <= FIT_TOKENS and set(part.members) <= joining
+        assert sorted(part.members) == sorted({qi for qi, _ in op.members})
+        for row, (qi, _) in enumerate(op.members):
+            assert part.members[op.rows.src[row]] == qi
         length = part.rows.shape[1]
         size = rows_for(length, QUESTION_ROWS, QUESTION_TOKENS)
         assert part.rows.shape[0] == fitted_rows(len(part.members), size, fit)
@@ -291,26 +269,12 @@ def test_joint_passes_hold_option_passes_with_the_rows_they_continue(
         assert {qi for qi, _ in part.first_read} <= set(part.zq_read)
         read += list(part.zq_read)
     assert sorted(read) == list(range(len(layouts)))
-    # the joint passes hold the option passes' own, and share a pass wherever they fit
+    # the joint passes hold the option passes' own, one each
     spans = [question_span(layout, work.prefix_length) for layout in layouts]
     mine = plan_questions(prepared, spans, QUESTION_ROWS, fit, only=joining)
     option_passes = plan_options(prepared, mine, fit)
     shared_passes = [jp for jp in work.joint if id(jp) not in alone_ids]
-    assert [op.members for jp in shared_passes for op in real(jp)] == [
-        op.members for op in option_passes
-    ]
-    for a, b in zip(shared_passes, shared_passes[1:], strict=False):
-        if a.parts[-1].question_pass == b.parts[0].question_pass:
-            ops = [*real(a), real(b)[0]]
-            merged = joint_pass(prepared, spans, mine, ops, QUESTION_ROWS, fit)
-            qp = mine[a.parts[-1].question_pass]
-            fitting = fits(qp, merged.parts, QUESTION_ROWS, fit, tokens)
-            assert len(merged.parts) > filled or not fitting
-    shared = [jp for jp in shared_passes if len(real(jp)) > 1]
-    if tokens > FIT_TOKENS and fit and parts > 1:  # the speed bench's options: two buckets
-        assert shared
-    elif parts == 1:
-        assert not shared
+    assert [jp.options.members for jp in shared_passes] == [op.members for op in option_passes]
     apart = plan(prepared, QUESTION_ROWS, fit)
     assert apart.joint == [] and not apart.joined
 
@@ -321,23 +285,22 @@ def joint_rows_of(prepared, work, qid: str) -> list[dict]:
     qi = [layout.question.id for layout in prepared.layouts].index(qid)
     found = []
     for jp in work.joint:
-        shapes = [jp.question.rows.shape, *(op.rows.shape for op in jp.parts)]
+        op = jp.options
+        shapes = [jp.question.rows.shape, op.rows.shape]
         if qi in jp.question.members:
             found.append((shapes, row_of(jp.question.rows, jp.question.members.index(qi))))
-        for op in jp.parts:
-            for row, (owner, _) in enumerate(op.members):
-                if owner == qi:
-                    found.append((shapes, row_of(op.rows, row)))
+        for row, (owner, _) in enumerate(op.members):
+            if owner == qi:
+                found.append((shapes, row_of(op.rows, row)))
     return found
 
 
-@pytest.mark.parametrize("tokens", [FIT_TOKENS, 768])
-def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
+def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer):
     """plan(joint=True, fit=True): a question with more than JOINT_OPTIONS options runs its text
     and its options in joint passes holding nothing else (ALONE_FAMILY: 255 options of at most
     8 tokens in one 256 × 8 part), so its rows and their passes' shapes are the same alone,
     beside a small question or beside another wide one, in either order."""
-    from runtime.passes import ALONE_ROWS, DUMMY_ROWS, OPTION_STEP, joint_parts
+    from runtime.passes import ALONE_ROWS
 
     # "option 0" … "option 254": every block begins <|opt|> "option" " ", then 1-3 digits and
     # the <|/opt|>: rows of 2-4 tokens
@@ -347,12 +310,11 @@ def test_wide_questions_join_alone_in_passes_of_their_own(tokenizer, tokens):
     def joint_plan(questions):
         request = compile_request(parse_body(request_body(IMAGE, questions)))
         prepared = prepare(request, tokenizer)
-        return prepared, plan(prepared, QUESTION_ROWS, fit=True, joint=True, joint_tokens=tokens)
+        return prepared, plan(prepared, QUESTION_ROWS, fit=True, joint=True)
 
     prepared, work = joint_plan({"wide": wide})
-    dummies = [(DUMMY_ROWS, OPTION_STEP)] * (joint_parts(tokens) - 1)
-    assert [(jp.question.rows.shape, [op.rows.shape for op in jp.parts]) for jp in work.joint] == [
-        ((2, 32), [(ALONE_ROWS, 4), *dummies])
+    assert [(jp.question.rows.shape, jp.options.rows.shape) for jp in work.joint] == [
+        ((2, 32), (ALONE_ROWS, 4))
     ]
     expected = joint_rows_of(prepared, work, "wide")
     assert len(expected) == 1 + 255
@@ -394,12 +356,12 @@ def test_unpadded_targets_keep_their_count(tokenizer):
 
 @pytest.mark.parametrize("joint", [False, True])
 def test_host_readouts_take_each_read_where_the_plan_put_it(tokenizer, joint):
-    """Executor.HostReadouts gathers a pass's readouts in one indexing: each question's zq, u,
+    """HostReadouts gathers a pass's readouts in one indexing: each question's zq, u,
     picked and first are the rows and entries its plan names (u from one pass or from several:
     a 70-option question's four option passes apart, its one pass joined), float32."""
     import numpy as np
 
-    from runtime.executor import HostReadouts
+    from runtime.readouts import HostReadouts
 
     request = compile_request(parse_body(request_body(IMAGE, {**QUESTIONS, **choice_with(70)})))
     prepared = prepare(request, tokenizer)
@@ -418,7 +380,7 @@ def test_host_readouts_take_each_read_where_the_plan_put_it(tokenizer, joint):
         (qp, [op for op in work.options if op.question_pass == i])
         for i, qp in enumerate(work.questions)
     ]
-    passes += [(jp.question, jp.parts) for jp in work.joint]
+    passes += [(jp.question, [jp.options]) for jp in work.joint]
     for qp, ops in passes:
         hidden, logprobs = outputs(qp.rows)
         taken.take_question(qp, hidden, logprobs)
@@ -480,7 +442,7 @@ def test_shared_tokens_are_the_blocks_common_lead_leaving_each_its_close(tokeniz
     assert all(b[:shared] == blocks[0][:shared] and b[0] == OPEN_ID for b in blocks)
     assert len({b[shared] for b in blocks}) > 1
     (jp,) = work.joint
-    (op,) = [part for part in jp.parts if part.members]
+    op = jp.options
     rows = {pair: op.rows.input_ids[r, : op.rows.lengths[r]].tolist()
             for r, pair in enumerate(op.members)}  # fmt: skip
     assert rows[(0, 0)] == [CLOSE_ID]

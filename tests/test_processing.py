@@ -325,36 +325,41 @@ def test_split_ids_equal_the_whole_prompts(tok):
             assert split_ids(questions, tok, made, 5) == whole
 
 
-def test_texts_seen_before_are_not_encoded_again(tok, monkeypatch):
+class Counting:
+    """A tokenizer that records the texts of each batch it encodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.encoded = tokenizer, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+    def encode_batch(self, texts, **options):
+        self.encoded.append(list(texts))
+        return self.tokenizer.encode_batch(texts, **options)
+
+
+def test_texts_seen_before_are_not_encoded_again(tok):
     """The template keeps each text's ids (TEXT_IDS of them): a request asked again encodes
     nothing, one with a new option text encodes only that text, and the ids are the whole
     prompts' either way."""
-    from runtime import processing
-    from runtime.processing import encode_prompts, encode_questions, make_template
+    from runtime.processing import KEPT_TEXT_CHARS, encode_prompts, encode_questions, template
 
-    made = make_template(tok)
-    monkeypatch.setattr(processing, "template", lambda tokenizer: made)
-    encoded: list[list[str]] = []
-    plain = processing.encode_each
-
-    def counted(tokenizer, texts):
-        encoded.append(list(texts))
-        return plain(tokenizer, texts)
-
-    monkeypatch.setattr(processing, "encode_each", counted)
+    counting = Counting(tok)
+    assert template(counting) is not None  # made once for this tokenizer, its probe encoded
+    encoded = counting.encoded
     first = [Question("q", "choice", "Which one?", ("a", "b"), ("a red car", "a street"))]
     again = [Question("r", "choice", "Which one?", ("a", "b"), ("a street", "a robot"))]
     for questions, new in ((first, ["Which one?", "a red car", "a street"]), (first, []),
                            (again, ["a robot"])):  # fmt: skip
         encoded.clear()
-        ids = encode_questions(questions, tok, 5)
+        ids = encode_questions(questions, counting, 5)
         assert [text for batch in encoded for text in batch] == new
-        encoded.clear()
         assert ids == encode_prompts([render_prompt(q) for q in questions], tok, 5)
-    long = "x" * (processing.KEPT_TEXT_CHARS + 1)  # long texts are encoded every time
+    long = "x" * (KEPT_TEXT_CHARS + 1)  # long texts are encoded every time
     for _ in range(2):
         encoded.clear()
-        encode_questions([Question("s", "noul", long, ("yes",), ("",))], tok, 5)
+        encode_questions([Question("s", "noul", long, ("yes",), ("",))], counting, 5)
         assert [text for batch in encoded for text in batch] == [long]
 
 

@@ -246,13 +246,10 @@ def test_sigterm_with_stalled_clients_and_work_in_flight_exits_0_promptly() -> N
     assert took < 2 + 5  # in-flight work plus 5 s
 
 
-def test_the_port_is_bound_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime.executor
-
+def test_the_port_is_bound_before_the_model_loads() -> None:
     def never(*_: object) -> None:
         raise AssertionError("the model loaded before the port was checked")
 
-    monkeypatch.setattr(runtime.executor, "load_engine", never)
     taken = listening_socket()
     try:
         port = taken.getsockname()[1]
@@ -261,7 +258,7 @@ def test_the_port_is_bound_before_the_model_loads(monkeypatch: pytest.MonkeyPatc
         )
         started = time.monotonic()
         with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
-            cli_serve(args)
+            cli_serve(args, load=never)
         assert time.monotonic() - started < 1.0
     finally:
         taken.close()

@@ -24,6 +24,8 @@ class SplitEngine(RealishEngine):
     """RealishEngine with `readouts` and `respond`; `respond` of a held request waits for the
     test (the warm-up's excepted), and every call is recorded with its thread."""
 
+    splits = True
+
     def __init__(self, hold_respond: bool = False) -> None:
         super().__init__()
         self.respond_gate = threading.Semaphore(0) if hold_respond else None

@@ -10,8 +10,9 @@ import pytest
 
 from bench.parity import compare
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
-from runtime.executor import load_engine, slice_pass
+from runtime.executor import load_engine
 from runtime.passes import empty_pass, fill_row
+from runtime.run_passes import slice_pass
 from tests.engine_fixtures import tiny_engines, tiny_std_engines
 
 LONG = (

@@ -42,6 +42,45 @@ def reference(engines):
     return Reference(engines[0], dtype="float32", device="cpu")
 
 
+def variant(engines, executor, prefix_cache: int = 0, **choices):
+    """An executor on `executor`'s backend with other `Choices` (and no prefix cache: every
+    request runs its image prefix)."""
+    from dataclasses import replace
+
+    from runtime.config import RuntimeConfig
+
+    config = RuntimeConfig(backend="torch", question_batch=16, prefix_cache=prefix_cache)
+    made = replace(executor.choices, **choices)
+    return load_engine_on(engines, config, executor.backend, made)
+
+
+def load_engine_on(engines, config, backend, choices):
+    from runtime.executor import load_engine
+
+    return load_engine(str(engines[0]), str(engines[1]), config, backend=backend, choices=choices)
+
+
+class Recording:
+    """A backend that records each run's graph and lane and runs it on `backend` (whose lanes
+    are its own), declaring `lanes` lanes: the executor's routing, without two CUDA streams."""
+
+    def __init__(self, backend, lanes: int):
+        from dataclasses import replace
+
+        self.backend, self.routed = backend, []
+        self.capabilities = replace(backend.capabilities, lanes=lanes)
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    def run(self, graph, feeds, outputs, lane=0):
+        self.routed.append((graph, lane))
+        return self.backend.run(graph, feeds, outputs)
+
+    def lane_stream(self, lane: int):
+        return None  # the caller's stream: the CPU has one
+
+
 def test_backend_has_the_onnx_graphs_names_and_dtypes(engines, executor):
     from runtime.backends.ort import OrtBackend
 
@@ -103,8 +142,8 @@ def test_agrees_with_onnx_runtime_below_the_rounding(engines, executor):
 
 
 def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
-    executor.prefix_cache.entries.clear()
-    executor.prefix_cache.size = 0
+    executor.prefix.cache.entries.clear()
+    executor.prefix.cache.size = 0
     image = pattern_png(320, 224)
     # with a wide question, which runs alone in joint passes of its own (runtime.passes)
     questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
@@ -121,165 +160,79 @@ def test_answers_do_not_depend_on_other_questions_order_or_repetition(executor):
         assert json.dumps(backwards[qid]) == json.dumps(together[qid]), qid
 
 
-def test_early_heads_give_the_answers_of_heads_after_every_pass(executor):
+def test_early_heads_give_the_answers_of_heads_after_every_pass(engines, executor):
     """With two or more joint passes, the questions the earlier passes finish get their heads
-    and answers while the later passes run (`early_heads`): the same answer bytes as every
-    question's heads after the last pass, and only the last pass's questions left for
-    `respond`."""
-    executor.prefix_cache.entries.clear()
-    executor.prefix_cache.size = 0
+    and answers while the later passes run (`Choices.early_heads`, on CUDA): the same answer
+    bytes as every question's heads after the last pass, and only the last pass's questions
+    left for `respond`."""
     questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
     body = request_body(pattern_png(320, 224), questions, "image/png")
-    prepared = executor.prepare(json.loads(body))
+    with_early = variant(engines, executor, early_heads=True)
+    prepared = with_early.prepare(json.loads(body))
     work = prepared.planned[1]
     assert len(work.joint) > 2
-    kept = executor.config
-    try:
-        executor.config = kept.with_(early_heads=True)
-        made = executor.readouts(prepared)
-        early = [r.mu is not None for r in made]
-        assert [r.fields is not None for r in made] == early  # and their answers but latency
-        on = without_latency(executor.answer(body))
-        executor.config = kept.with_(early_heads=False)
-        assert not any(r.mu is not None for r in executor.readouts(prepared))
-        off = without_latency(executor.answer(body))
-    finally:
-        executor.config = kept
+    made = with_early.readouts(prepared)
+    early = [r.mu is not None for r in made]
+    assert [r.fields is not None for r in made] == early  # and their answers but latency
+    on = without_latency(with_early.answer(body))
+    without = variant(engines, executor, early_heads=False)
+    assert not any(r.mu is not None for r in without.readouts(prepared))
+    off = without_latency(without.answer(body))
     last = work.joint[-1]
     reads = [*last.question.zq_read, *(qi for qi, _ in last.question.first_read)]
-    for op in last.parts:
-        reads += [qi for qi, _ in op.u_read] + [qi for qi, _ in op.text_reads]
+    reads += [qi for qi, _ in last.options.u_read] + [qi for qi, _ in last.options.text_reads]
     finished_last = set(reads)
     assert early == [qi not in finished_last for qi in range(len(questions))]
     assert any(early) and not all(early)
     assert json.dumps(on) == json.dumps(off)
 
 
-def test_early_prefix_gives_the_answers_of_the_prefix_run_in_turn(executor, monkeypatch):
-    """The vision tower and image prefix started from the image thread while the text is
-    prepared (`early_prefix`, `Executor.start_prefix`): the pass is the plan's own prefix for
-    any questions of that grid, it is taken once (a second execution runs its prefix again),
-    and the answers keep their bytes; the prefix cache still answers where it holds the image."""
-    from runtime.executor import StartedPrefix
-
-    questions = {**speed_bench_questions(3), **gate_questions()}
-    body = request_body(pattern_png(320, 224), questions, "image/png")
-    monkeypatch.setattr(executor, "config", executor.config.with_(early_prefix=False))
-    executor.prefix_cache.entries.clear()
-    monkeypatch.setattr(executor.prefix_cache, "size", 0)
-    off = without_latency(executor.answer(body))
-    assert executor.prepare(json.loads(body)).started is None
-    monkeypatch.setattr(executor, "config", executor.config.with_(early_prefix=True))
-    prepared = executor.prepare(json.loads(body))
-    started = prepared.started
-    assert isinstance(started, StartedPrefix) and not started.taken
-    work = prepared.planned[1]
-    assert started.take(prepared.image, work.prefix) is not None and started.taken
-    started.taken = False
-    first = executor.readouts(prepared)
-    assert started.taken
-    again = executor.readouts(prepared)  # the prefix run in turn this time
-    for a, b in zip(first, again, strict=True):
-        assert np.array_equal(a.zq, b.zq) and np.array_equal(a.u, b.u)
-    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(off)
-    # another image of the same grid: the same prefix rows, taken by that image only
-    other_png = encode(photo_image(320, 224, 1), "PNG")
-    other = executor.prepare(json.loads(request_body(other_png, questions, "image/png")))
-    assert other.started.take(prepared.image, work.prefix) is None
-    # with the prefix cache on, a repeated image's early prefix is the cached states
-    monkeypatch.setattr(executor.prefix_cache, "size", 2)
-    executor.answer(body)
-    hits = executor.prefix_cache.hits
-    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(off)
-    assert executor.prefix_cache.hits == hits + 1
-
-
-def test_early_prefix_under_concurrent_requests_keeps_every_answer(executor, monkeypatch):
-    """The worker over HTTP with `early_prefix`: requests prepared two at a time start their
-    image prefixes from the image threads while another request's passes are enqueued and its
-    heads run (`Executor.enqueue_lock`); every answer keeps the bytes it has alone."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tests.server_helpers import ThreadServer, wait_ready
-    from tests.test_server import post
-
-    monkeypatch.setattr(executor, "config", executor.config.with_(early_prefix=True))
-    monkeypatch.setattr(executor.prefix_cache, "size", 0)
-    bodies = [
-        request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png"),
-        request_body(encode(photo_image(320, 224, 2), "PNG"), gate_questions(), "image/png"),
-        request_body(pattern_png(256, 256), choice_with(40), "image/png"),
-    ]
-    alone = [json.dumps(without_latency(executor.answer(body))) for body in bodies]
-    with ThreadServer(executor) as server:
-        wait_ready(server.url)
-        with ThreadPoolExecutor(6) as pool:
-            sent = [bodies[i % len(bodies)] for i in range(12)]
-            responses = list(pool.map(lambda b: post(server.url, json.loads(b)), sent))
-    for i, response in enumerate(responses):
-        assert response.status_code == 200, response.text
-        assert json.dumps(without_latency(response.json())) == alone[i % len(bodies)]
-
-
-def test_joint_lanes_split_the_bench_passes_and_keep_the_answers(executor, monkeypatch):
-    """Lanes (`TorchBackend.lanes`, two CUDA streams on the GPU): the 12 speed-bench questions'
+def test_joint_lanes_split_the_bench_passes_and_keep_the_answers(engines, executor):
+    """Lanes (`Capabilities.lanes`, two CUDA streams on the GPU): the 12 speed-bench questions'
     joint passes go to both lanes by their options' length, a lane's pass runs on that lane's
     graphs and buffers, and the answers keep their bytes. On the CPU the lanes share the
     caller's stream: this checks the executor's routing, the H200 the concurrency."""
-    executor.prefix_cache.entries.clear()
-    executor.prefix_cache.size = 0
+    from dataclasses import replace
+
+    from runtime.run_passes import Choices, lane_of
+
     body = request_body(pattern_png(320, 224), speed_bench_questions(12), "image/png")
-    prepared = executor.prepare(json.loads(body))
+    one_lane = variant(engines, executor, early_heads=True)
+    prepared = one_lane.prepare(json.loads(body))
     work = prepared.planned[1]
-    assert {executor.lane_of(jp) for jp in work.joint} == {0}  # one lane on the CPU
-    monkeypatch.setattr(executor, "config", executor.config.with_(early_heads=True))
-    assert executor.early_heads_on(work)  # two joint passes, one lane
-    one = without_latency(executor.answer(body))
-    routed = []
-    run = executor.backend.run
-
-    def recording(graph, feeds, outputs, lane=0):
-        routed.append((graph, lane))
-        return run(graph, feeds, outputs, lane=lane)
-
-    monkeypatch.setattr(executor.backend, "lanes", 2)
-    monkeypatch.setattr(executor.backend, "run", recording)
-    lanes = [executor.lane_of(jp) for jp in work.joint]
+    assert executor.choices.lanes == 1  # one lane on the CPU
+    assert one_lane.early_heads_on(work)  # two joint passes, one lane
+    one = without_latency(one_lane.answer(body))
+    recording = Recording(executor.backend, lanes=2)
+    choices = replace(Choices.of(recording.capabilities), early_heads=True)
+    assert choices.lanes == 2
+    two = load_engine_on(engines, one_lane.config, recording, choices)
+    lanes = [lane_of(jp, 2) for jp in work.joint]
     assert set(lanes) == {0, 1}
-    assert not executor.early_heads_on(work)  # passes in two lanes end together
+    assert not two.early_heads_on(work)  # passes in two lanes end together
     for jp, lane in zip(work.joint, lanes, strict=True):
-        assert lane == (jp.parts[0].rows.shape[1] > 8)
-    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(one)
-    assert [lane for graph, lane in routed if graph == "lm_joint"] == lanes
+        assert lane == (jp.options.rows.shape[1] > 8)
+    assert json.dumps(without_latency(two.answer(body))) == json.dumps(one)
+    assert [lane for graph, lane in recording.routed if graph == "lm_joint"] == lanes
     with pytest.raises(ValueError, match="lm_rows has no lane 1"):
-        run("lm_rows", {}, {}, lane=1)
+        executor.backend.run("lm_rows", {}, {}, lane=1)
 
 
-@pytest.mark.parametrize("parts", [1, 2])
-def test_joint_passes_give_the_readouts_of_separate_passes(executor, parts, monkeypatch):
+def test_joint_passes_give_the_readouts_of_separate_passes(engines, executor):
     """A question pass and its option passes run as joint passes (one product per layer over
-    all of them, up to `parts` option passes in one): every readout is the separate passes'
-    (float32 on the CPU, within its rounding)."""
-    from runtime import passes
+    both): every readout is the separate passes' (float32 on the CPU, within its rounding)."""
     from tests.test_passes import SHARED_LEAD
 
-    monkeypatch.setattr(passes, "JOINT_PARTS", parts)
     # the wide ones join alone, their texts through their options' shared leading tokens
     questions = {**gate_questions(), **choice_with(70), **SHARED_LEAD}
     request = json.loads(request_body(pattern_png(320, 224), questions, "image/png"))
     prepared = executor.prepare(request)
-    assert executor.joint and prepared.planned[1].joint
-    assert max(len(jp.parts) for jp in prepared.planned[1].joint) == parts
+    assert executor.choices.joint and prepared.planned[1].joint
     for wide in (len(questions) - 2, len(questions) - 1):
         assert any(jp.question.members == [wide] for jp in prepared.planned[1].joint)
         assert any(jp.question.open_read for jp in prepared.planned[1].joint)
     joint = executor.readouts(prepared)
-    kept = executor.config
-    try:
-        executor.config = kept.with_(joint_passes=False)
-        separate = executor.readouts(prepared)
-    finally:
-        executor.config = kept
+    separate = variant(engines, executor, prefix_cache=8, joint=False).readouts(prepared)
     for a, b in zip(joint, separate, strict=True):
         assert np.allclose(a.zq, b.zq, atol=1e-5, rtol=0)
         assert np.allclose(a.u, b.u, atol=1e-5, rtol=0)
@@ -290,13 +243,15 @@ def test_joint_passes_give_the_readouts_of_separate_passes(executor, parts, monk
             assert pa.shape == pb.shape and np.allclose(pa, pb, atol=1e-5, rtol=0)
 
 
-def test_a_pass_that_reads_nothing_runs_no_readout(executor, monkeypatch):
+def test_a_pass_that_reads_nothing_runs_no_readout(engines, executor, monkeypatch):
     """The image prefix reads no row: its pass runs without the readout (a 128-row piece over
-    the whole vocabulary), every other pass with it, and the answers stay the same bytes."""
-    executor.prefix_cache.entries.clear()
-    monkeypatch.setattr(executor.prefix_cache, "size", 0)  # every request runs its prefix
+    the whole vocabulary), every other pass with it, and the answers stay the same bytes as
+    where the backend runs every readout."""
+    from dataclasses import replace
+
     body = request_body(pattern_png(320, 224), gate_questions(), "image/png")
-    prepared = executor.prepare(json.loads(body))
+    fresh = variant(engines, executor)
+    prepared = fresh.prepare(json.loads(body))
     backend, reads = executor.backend, []
     plain = backend.read
 
@@ -305,13 +260,15 @@ def test_a_pass_that_reads_nothing_runs_no_readout(executor, monkeypatch):
         return plain(flat, feeds, outputs, joint)
 
     monkeypatch.setattr(backend, "read", read)
-    skipped = executor.readouts(prepared)
+    skipped = fresh.readouts(prepared)
     work = prepared.planned[1]
     passes = len(work.joint) + len(work.questions) + len(work.options)
     assert len(reads) == passes and work.prefix.shape not in reads
-    monkeypatch.setattr(executor, "backend_skips_readouts", False)
+    every = Recording(backend, lanes=1)
+    every.capabilities = replace(backend.capabilities, optional_readouts=False)
+    reading = load_engine_on(engines, fresh.config, every, fresh.choices)
     reads.clear()
-    kept = executor.readouts(prepared)
+    kept = reading.readouts(prepared)
     assert reads[0] == work.prefix.shape and len(reads) == passes + 1
     for a, b in zip(skipped, kept, strict=True):
         assert np.array_equal(a.zq, b.zq) and np.array_equal(a.u, b.u)
@@ -319,19 +276,17 @@ def test_a_pass_that_reads_nothing_runs_no_readout(executor, monkeypatch):
 
 
 @pytest.mark.parametrize("duck", [False, True])
-def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck, monkeypatch):
+def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck):
     """With `invariant_compilation` (no duck sizing) each joint block traces to one graph for
-    every request's row counts (every joint pass has JOINT_PARTS parts, dummy ones filling
-    it), so a question's rows never run in a graph of their own because of the other
-    questions (on the GPU each graph picks its own reduction configurations, and with them a
-    row's bytes); with duck sizing the same requests make more graphs."""
+    every request's row counts, so a question's rows never run in a graph of their own
+    because of the other questions (on the GPU each graph picks its own reduction
+    configurations, and with them a row's bytes); with duck sizing the same requests make more
+    graphs."""
     import torch.fx.experimental._config as shapes
 
-    from runtime import passes
     from runtime.backends.compiled import invariant_compilation
     from runtime.model.language import JOINT_BLOCKS, joint_body
 
-    monkeypatch.setattr(passes, "JOINT_PARTS", 2)
     invariant_compilation()
     graphs: dict[str, int] = {}
 
@@ -353,16 +308,13 @@ def test_joint_blocks_are_one_graph_whatever_the_rows(executor, duck, monkeypatc
     ]
     if duck:  # the control: two requests already make more graphs (half a minute less)
         bodies = bodies[:2]
-    parts = set()
     try:
         with shapes.patch(use_duck_shape=duck):
             for body in bodies:
-                prepared = executor.prepare(json.loads(body))
-                parts |= {len(jp.parts) for jp in prepared.planned[1].joint}
-                executor.execute(prepared)
+                executor.execute(executor.prepare(json.loads(body)))
     finally:
         backend.functions = kept
-    assert set(graphs) == set(JOINT_BLOCKS) and parts == {2}
+    assert set(graphs) == set(JOINT_BLOCKS)
     if duck:
         assert sum(graphs.values()) > len(JOINT_BLOCKS), graphs
     else:
@@ -477,46 +429,39 @@ def test_an_export_unlike_its_hashes_is_refused_though_it_loads_beside_the_hashi
     }
 
 
-def test_the_cpu_engine_fits_its_passes_to_the_request(executor):
+def test_the_cpu_engine_fits_its_passes_to_the_request(engines, executor):
     """The CPU engine's products pass the row check, so its passes are sized to the request;
     the invariance test above then runs fitted passes of every row count."""
-    from runtime.backends.compiled import JOINT_TOKENS, product_weights
+    from runtime.backends.compiled import product_weights
     from runtime.passes import MIN_FITTED_ROWS, QUESTION_ROWS, plan
 
     backend = executor.backend
     assert backend.rows_fit and executor.pass_shape() == (QUESTION_ROWS, True)
+    assert backend.capabilities.rows_fit and backend.capabilities.joint
     assert set(backend.row_floors) == {tuple(w.shape) for w in product_weights(backend.language)}
-    assert backend.joint_tokens == JOINT_TOKENS  # two option passes may share a joint pass
     prepared = executor.prepare(
         json.loads(request_body(pattern_png(64, 64), speed_bench_questions(1), "image/png"))
     )
     # the CPU's floors hold up to a joint pass's rows: the option passes run with the question
     work = prepared.planned[1]
-    assert executor.joint and work.joined and work.questions == work.options == []
+    assert executor.choices.joint and work.joined and work.questions == work.options == []
     assert {jp.question.rows.shape[0] for jp in work.joint} == {MIN_FITTED_ROWS}
     options = len(prepared.layouts[0].opens)
-    fitted = sum(op.rows.shape[0] for jp in work.joint for op in jp.parts)
+    fitted = sum(jp.options.rows.shape[0] for jp in work.joint)
     assert fitted < 2 * max(options, MIN_FITTED_ROWS)
     apart = plan(prepared, *executor.pass_shape())
     assert [qp.rows.shape[0] for qp in apart.questions] == [MIN_FITTED_ROWS]
-    kept = executor.config
-    try:
-        # without joint passes, a 2-row question pass lends its states into buffers of the
-        # question passes' row count, so that its option passes' sources (and CUDA graphs) do
-        # not follow the questions asked
-        executor.config = kept.with_(joint_passes=False)
-        assert not executor.joint
-        executor.execute(prepared)
-        sources = {key[1][0] for key in backend.buffers if key[0].startswith("src_rec.")}
-        assert sources == {QUESTION_ROWS}  # on the CPU only the lent buffers are kept
-        # --no-fit-rows: the buckets' fixed row counts again, and no joint passes
-        executor.config = kept.with_(fit_rows=False)
-        assert not executor.joint
-        assert executor.pass_shape() == (QUESTION_ROWS, False)
-        fixed = executor.plan_of(prepared)[1]
-        assert [qp.rows.shape[0] for qp in fixed.questions] == [QUESTION_ROWS]
-    finally:
-        executor.config = kept
+    # without joint passes, a 2-row question pass lends its states into buffers of the
+    # question passes' row count, so that its option passes' sources (and CUDA graphs) do not
+    # follow the questions asked
+    variant(engines, executor, joint=False).execute(prepared)
+    sources = {key[1][0] for key in backend.buffers if key[0].startswith("src_rec.")}
+    assert sources == {QUESTION_ROWS}  # on the CPU only the lent buffers are kept
+    # unfitted: the buckets' fixed row counts again
+    fixed = variant(engines, executor, fit=False, joint=False)
+    assert fixed.pass_shape() == (QUESTION_ROWS, False)
+    plan_fixed = fixed.plan_of(prepared)[1]
+    assert [qp.rows.shape[0] for qp in plan_fixed.questions] == [QUESTION_ROWS]
 
 
 def test_readout_pieces_match_the_plugin_arithmetic():
@@ -636,9 +581,9 @@ def test_fla_cumsum_autotuners_keyed_by_batch_size_get_one_configuration(monkeyp
 
 
 def test_torch_passes_leave_the_empty_state_empty(executor):
-    empty = executor.empty_state()
+    empty = executor.runner.empty_state()
     executor.answer(request_body(pattern_png(96, 64), speed_bench_questions(3), "image/png"))
-    assert executor.empty_state() is empty
+    assert executor.runner.empty_state() is empty
     assert all(not t.any() for t in [*empty.k, *empty.v, *empty.conv, *empty.rec, empty.mask])
 
 
@@ -654,27 +599,24 @@ def test_the_image_graph_answers_as_the_host_packed_pixels(executor):
     host = prepare(compile_request(body), executor.tokenizer)
     whole = prepare(compile_request(body), executor.tokenizer, pack=False, resize=False)
     assert whole.image.pixel_values is None and whole.image.resized is None
-    assert executor.vision_graph(host.image) == "vision"
-    assert executor.vision_graph(whole.image) == IMAGE_GRAPH
+    assert executor.prefix.vision_graph(host.image) == "vision"
+    assert executor.prefix.vision_graph(whole.image) == IMAGE_GRAPH
     with torch.inference_mode():
-        assert torch.equal(executor.vision(whole.image), executor.vision(host.image))
+        assert torch.equal(executor.prefix.vision(whole.image), executor.prefix.vision(host.image))
     for a, b in zip(executor.readouts(whole), executor.readouts(host), strict=True):
         assert np.array_equal(a.zq, b.zq) and np.array_equal(a.u, b.u)
         assert all(np.array_equal(x, y) for x, y in zip(a.picked, b.picked, strict=True))
 
 
 @pytest.fixture(scope="module")
-def on_device(engines):
-    """The engine with the heads' large products on its device (here the CPU)."""
-    from runtime.config import RuntimeConfig
-    from runtime.executor import load_engine
-
-    config = RuntimeConfig.from_env(backend="torch", device_heads=True, prefix_cache=0)
-    return load_engine(str(engines[0]), str(engines[1]), config)
+def on_device(engines, executor):
+    """The engine with the heads' large products on its device (here the CPU), and the MLPs
+    behind the passes."""
+    return variant(engines, executor, device_heads=True, mlps_behind=True)
 
 
 def test_heads_on_the_engines_device_give_the_same_answers(executor, on_device):
-    """--device-heads (on by default on CUDA): the heads' large products where the engine runs
+    """`Choices.device_heads` (on CUDA): the heads' large products where the engine runs
     (here the CPU, the same code as on CUDA), the same answers byte for byte as the host's."""
     assert executor.heads.device_mlps is None  # off by default on the CPU
     assert on_device.heads.device_mlps is not None
@@ -687,16 +629,14 @@ def test_heads_on_the_engines_device_give_the_same_answers(executor, on_device):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_mlps_behind_the_passes_give_the_heads_own_answers(on_device, early, monkeypatch):
+def test_mlps_behind_the_passes_give_the_heads_own_answers(engines, on_device, early, monkeypatch):
     """The heads' MLPs enqueued behind the passes (`mlps_behind`, on with device heads): every
     question the last passes finish brings its MLP outputs with its readouts, the heads make
     none of them again, and the answers are those of the MLPs run by the heads, byte for byte;
     with early heads too (the questions finished early keep the heads' own trip)."""
     from runtime.heads import DeviceMLPs
 
-    executor = on_device
-    monkeypatch.setattr(executor, "config", executor.config.with_(early_heads=early))
-    config = executor.config
+    executor = variant(engines, on_device, early_heads=early)
     assert executor.heads.device_mlps.behind_usable
     questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
     body = request_body(pattern_png(320, 224), questions, "image/png")
@@ -710,6 +650,6 @@ def test_mlps_behind_the_passes_give_the_heads_own_answers(on_device, early, mon
     behind = without_latency(executor.answer(body))
     # the heads' own trips are the early questions' only
     assert sum(len(rest) for rest, _ in trips) == late.count(False)
-    monkeypatch.setattr(executor, "config", config.with_(mlps_behind=False))
-    assert not any(r.mlps is not None for r in executor.readouts(prepared))
-    assert json.dumps(without_latency(executor.answer(body))) == json.dumps(behind)
+    apart = variant(engines, on_device, early_heads=early, mlps_behind=False)
+    assert not any(r.mlps is not None for r in apart.readouts(prepared))
+    assert json.dumps(without_latency(apart.answer(body))) == json.dumps(behind)

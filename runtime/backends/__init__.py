@@ -2,66 +2,19 @@
 
 `onnxruntime` runs the ONNX files (CPU; CUDA with IOBinding and CUDA graphs), `tensorrt` runs plans
 with `tensorrt` or `tensorrt_rtx`, `torch` runs the model's own modules (compiled, with CUDA graphs
-on the GPU). The executor sees only `Backend`; static buffers and graph capture are
-`runtime.backends.graphs`.
+on the GPU). The executor sees only `Backend` and its `Capabilities` (runtime.backends.base);
+static buffers and graph capture are `runtime.backends.graphs`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
-import torch
-
+from runtime.backends.base import Backend, Capabilities
 from runtime.config import RuntimeConfig
 
+__all__ = ["BACKENDS", "Backend", "Capabilities", "choose_backend"]
 BACKENDS = ("auto", "onnxruntime", "ort", "tensorrt", "torch")
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """What the executor may use of an engine, and nothing else."""
-
-    name: str  # shown in logs, metrics and benchmark tables
-    device: torch.device  # where feeds and outputs live
-    max_pass_tokens: int | None  # the longest pass it takes in one run (None: any); longer
-    # passes are split by the executor
-    rows_fit: bool  # a row's outputs are the same bytes whatever the pass's row count, so the
-    # executor may size passes to the request (runtime.passes.fitted_rows)
-    # optional (False where absent): `run` may be given no readout outputs (`hidden`,
-    # `logprobs`), and then runs no readout (a pass that reads nothing: the image prefix)
-    optional_readouts: bool
-
-    def has_graph(self, graph: str) -> bool:
-        """Whether this graph exists (`lm_rows` is optional: `lm_state` answers option passes)."""
-        ...
-
-    def input_dtypes(self, graph: str) -> dict[str, torch.dtype]:
-        """The graph's inputs by name with their dtypes."""
-        ...
-
-    def output_names(self, graph: str) -> list[str]:
-        """The graph's outputs in order."""
-        ...
-
-    def run(
-        self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
-    ) -> None:
-        """Run `graph`, writing into the preallocated `outputs` tensors."""
-        ...
-
-    def prepare(self, signatures: list[tuple]) -> int:
-        """Build ahead of time what these pass signatures need (sessions, compiled code, CUDA
-        graphs; `runtime.backends.graphs.signature`); how many were new."""
-        ...
-
-    def settle(self) -> int:
-        """Wait for work building in the background; how many builds there were."""
-        ...
-
-    def stats(self) -> dict:
-        """Counters for metrics and benchmarks (slots, captures, replays...)."""
-        ...
 
 
 def choose_backend(

@@ -23,15 +23,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from runtime.backends.base import Capabilities
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
-from runtime.constants import DTYPES, IMAGE_GRAPH, JOINT_GRAPH, JOINT_PREFIXES
+from runtime.constants import (
+    DTYPES,
+    FIT_TOKENS,
+    IMAGE_GRAPH,
+    JOINT,
+    JOINT_GRAPH,
+    QUESTION_TOKENS,
+    SMALL_OPTION_TOKENS,
+)
 from runtime.images import NORMALIZED, device_pixel_values, resize_rgb_torch, smart_resize
 from runtime.model.attention_kernels import CHUNK_MAX_ROWS
 from runtime.model.language import (
     BLOCKS,
     JOINT_BLOCKS,
-    fed_parts,
     folded_attention,
     joint_body,
     lm_input_names,
@@ -39,7 +47,6 @@ from runtime.model.language import (
     pass_body,
 )
 from runtime.model.layers import product
-from runtime.passes import FIT_TOKENS, OPTION_FAMILIES, QUESTION_TOKENS
 
 log = logging.getLogger("omnijev.torch")
 
@@ -50,6 +57,7 @@ READOUT_PIECE = 128
 # A pass with more option rows than the passes questions share hold (CHUNK_MAX_ROWS, which the
 # attention's chunks follow for the same reason) holds one question alone, so its piece may
 # follow its own size: 256 rows, where the product is no longer bound by reading the table
+# (a 128-row piece takes about as long as reading the table alone)
 WIDE_READOUT_PIECE = 256
 # embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
 # to an sm75 kernel on the H200 (docs/engines.md §15); the padded rows are never read
@@ -67,8 +75,8 @@ ENGINES_MANIFEST = "engines.json"
 ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
 # the image graph's: the decoded image as uint8 [H, W, 3], then the vision tower's tables; the
-# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph
-# (the upload, the resize and the patches replay with the tower, not launched op by op)
+# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph,
+# in place of launching the upload, the device resize and the patches op by op before it
 IMAGE_INPUTS = ("rgb", *VISION_INPUTS[1:])
 LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH)
 VISION_GRAPHS = ("vision", IMAGE_GRAPH)  # the tower from packed pixels, or from the image
@@ -77,31 +85,29 @@ VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made
 # shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
 READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens", "target_slots")
 READOUT_OUTPUTS = ("hidden", "logprobs")
-ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)  # a joint pass's
-# parts' option rows have these inputs (a JOINT_PREFIXES prefix + the name) besides the
-# question rows' whole set
+# a joint pass's option rows have these inputs (JOINT + the name) besides the question rows'
+# whole set
+ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
 # count. The products are checked at load, on this machine, for every row count a pass can
 # give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
-# that differs is padded to the first of FLOOR_CANDIDATES under which none does (on the H200
-# the narrow products need 128 or 384 rows, the wide ones none)
+# that differs is padded to the first of FLOOR_CANDIDATES under which none does (on the GPU,
+# cuBLAS in BF16, the narrow products need a floor of a few hundred rows, the wide ones none)
 FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
-# a joint pass holds a question part and up to two option passes (runtime.passes.JOINT_PARTS,
-# 1 while two parts break invariance, may be 2) of the small family that joins
-# (runtime.passes.JOINT_OPTIONS): the floors are measured up to
-# that many rows, and where they hold only up to FIT_TOKENS, joint passes stay within
-# FIT_TOKENS (on the H200 every row count from 384 to 1,024 gave the bytes of 1,024 rows;
-# docs/measurements/h200-2026-12-02)
-JOINT_TOKENS = QUESTION_TOKENS + 2 * OPTION_FAMILIES[0][2]
+# the row floors are measured up to this many rows (a question part and two option passes of
+# the small family that joins), else up to FIT_TOKENS: every joint pass of that family (a
+# question part and one option pass) is within either, and the floors found decide the bytes of
+# every fitted pass, so the bound stays the one they were measured with
+JOINT_TOKENS = QUESTION_TOKENS + 2 * SMALL_OPTION_TOKENS
 ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
 FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
 # Joint passes in two lanes, each a CUDA stream of its own, run at once where the executor puts
-# them in both (Executor.lane_of): the 12 speed-bench questions' second joint pass (6.2 ms, 939
-# kernels of a few microseconds, most of the GPU idle in each) waited for the first (11.1 ms)
-# on one stream (h200-2026-12-03d). A lane has its own graphs, captured on its own stream,
-# and its own static inputs: torch keeps a cuBLAS workspace per (handle, stream) and a graph
-# replays with the workspace of the stream it was captured on, so graphs captured on one
-# stream must not replay at once (pytorch/pytorch#193402), nor two lanes copy into one buffer
+# them in both (runtime.run_passes.lane_of): a joint pass of a few microseconds' kernels leaves
+# most of the GPU idle, and the next one need not wait for it. A lane has its own graphs,
+# captured on its own stream, and its own static inputs: torch keeps a cuBLAS workspace per
+# (handle, stream) and a graph replays with the workspace of the stream it was captured on, so
+# graphs captured on one stream must not replay at once (pytorch/pytorch#193402), nor two lanes
+# copy into one buffer
 LANES = 2
 
 
@@ -254,11 +260,6 @@ class TorchBackend:
     modules (runtime.model)."""
 
     max_pass_tokens = None  # fla's kernels and the eager core take any length
-    # a pass asked for no readout outputs reads none: the image prefix's padded readout would
-    # be a 128-row piece over the whole vocabulary
-    optional_readouts = True
-    padded_targets = False  # `readout` pads the targets to its READOUT_PIECE rows itself
-    joint_tokens = FIT_TOKENS  # fit_rows: the most token slots a joint pass may hold
     floor_seconds = 0.0  # fit_rows: how long measuring the floors took (part of a cold start)
     compile_modes: list[str] = []  # invariant_compilation's settings, where compiled
 
@@ -286,7 +287,7 @@ class TorchBackend:
         if cuda and self.dtype == torch.float32:
             torch.set_float32_matmul_precision("highest")  # no TF32: float32 parity needs it
         self.compiled = cuda if compile is None else compile
-        graphs = config.on(config.cuda_graphs, cuda)
+        graphs = cuda  # every pass replays a CUDA graph where there are any
         self.config = read_config(checkpoint)
         started = time.perf_counter()
         self.language = load_language_pass(checkpoint, self.dtype).to(self.device)
@@ -294,11 +295,11 @@ class TorchBackend:
         self.vision = self.vision.to(self.device)
         self.weights_seconds = time.perf_counter() - started  # a cold start's parts, reported
         self.prepare_modules(cuda)
-        self.rows_fit = config.fit_rows is not False and self.fit_rows()
+        self.rows_fit = self.fit_rows()
         self.table = padded_table(self.language.embed_tokens.weight.data)
         self.language.embed_tokens.weight.data = self.table[: self.vocab]
         self.functions = self.make_functions()
-        self.lanes = LANES if graphs and config.on(config.joint_lanes, cuda) else 1
+        self.lanes = LANES if graphs else 1
         # lane 0 is the caller's stream, its graphs captured on one stream of their own; each
         # other lane runs and captures on its own stream (distinct streams of torch's pool)
         self.streams = lane_streams(self.device, self.lanes) if self.lanes > 1 else [None]
@@ -327,13 +328,24 @@ class TorchBackend:
         self._dtypes = {graph: self.graph_dtypes(graph) for graph in self.slots}
         # what `checked` lets through: the graphs' inputs, and for the passes the plan's
         # `target_slots` (each part's), which the readout reads and no graph takes
-        slots = dict.fromkeys((p + "target_slots" for p in ("", *JOINT_PREFIXES)), torch.int64)
+        slots = dict.fromkeys(("target_slots", JOINT + "target_slots"), torch.int64)
         self._fed = {
             graph: {**dtypes, **slots} if graph in LM_GRAPHS else dtypes
             for graph, dtypes in self._dtypes.items()
         }
         self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)  # the patches' lookup
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
+        self.capabilities = Capabilities(
+            rows_fit=self.rows_fit,
+            joint=self.rows_fit,  # lm_joint keeps a row's bytes where the floors hold
+            image_graph=True,
+            # a pass asked for no readout outputs reads none: the image prefix's padded readout
+            # would be a 128-row piece over the vocabulary
+            optional_readouts=True,
+            padded_targets=False,  # `readout` pads the targets to its READOUT_PIECE rows itself
+            lanes=self.lanes,
+            asynchronous=cuda,
+        )
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -378,8 +390,8 @@ class TorchBackend:
         which its rows' bytes do not follow the row count (row_floor), the folded attention
         one shape per length (folded_attention's min_tokens), fla's one cumsum kernel that
         its autotuner keys by batch size one configuration. False, and nothing changed, when
-        some product has no such floor. Joint passes may hold as many rows as the floors were
-        measured for (`joint_tokens`): JOINT_TOKENS, else FIT_TOKENS."""
+        some product has no such floor. The floors are measured up to JOINT_TOKENS rows, else
+        FIT_TOKENS."""
         started = time.perf_counter()
         for tokens in (JOINT_TOKENS, FIT_TOKENS):
             floors = row_floors(self.language, tokens)
@@ -389,7 +401,6 @@ class TorchBackend:
         if floors is None:
             log.warning("a product has no row floor: passes keep fixed rows")
             return False
-        self.joint_tokens = tokens
         log.info("row floors %s up to %d rows (%.1f s)", floors, tokens, self.floor_seconds)
         self.row_floors = floors
         for layer in self.language.layers:
@@ -453,8 +464,7 @@ class TorchBackend:
             else:
                 dtypes[name] = torch.int64
         if graph == JOINT_GRAPH:
-            for prefix in JOINT_PREFIXES:
-                dtypes.update({prefix + name: torch.int64 for name in ROW_INPUTS})
+            dtypes.update({JOINT + name: torch.int64 for name in ROW_INPUTS})
         return dtypes
 
     # -- the contract -----------------------------------------------------------------------
@@ -469,13 +479,12 @@ class TorchBackend:
         if graph in VISION_GRAPHS:
             return ["image_features"]
         if graph == JOINT_GRAPH:
-            parts = (p + name for p in JOINT_PREFIXES for name in READOUT_OUTPUTS)
-            return [*READOUT_OUTPUTS, *parts]
+            return [*READOUT_OUTPUTS, *(JOINT + name for name in READOUT_OUTPUTS)]
         return lm_output_names(self.config, graph == "lm_state")
 
     def lane_stream(self, lane: int) -> torch.cuda.Stream | None:
         """The stream a lane's joint passes run on; None for lane 0 (the caller's stream)."""
-        return self.streams[lane] if lane else None
+        return self.streams[lane] if 0 < lane < self.lanes else None
 
     def run(
         self,
@@ -508,13 +517,12 @@ class TorchBackend:
             self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
 
     def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
-        """The readouts of a pass from `flat`; a joint pass's parts' tokens follow its question
-        rows' there, in order, and every part's log-probabilities come from one `readout`
-        (each row once, where the plan gave `target_slots`: Pass.arrays(pad=False))."""
-        parts, start = [("", 0)], feeds["input_ids"].numel()
-        for prefix in fed_parts(feeds) if joint else ():
-            parts.append((prefix, start))
-            start += feeds[prefix + "input_ids"].numel()
+        """The readouts of a pass from `flat`; a joint pass's option tokens follow its question
+        rows' there, and both parts' log-probabilities come from one `readout` (each row once,
+        where the plan gave `target_slots`: Pass.arrays(pad=False))."""
+        parts = [("", 0)]
+        if joint:
+            parts.append((JOINT, feeds["input_ids"].numel()))
         for prefix, offset in parts:
             outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + offset])
         rows, slots, tokens, at = [], [], [], 0
@@ -656,10 +664,7 @@ def lane_streams(device: torch.device, lanes: int) -> list[torch.cuda.Stream]:
 
 def unprefixed(name: str) -> str:
     """A feed's or output's name without its joint part's prefix."""
-    for prefix in JOINT_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix) :]
-    return name
+    return name.removeprefix(JOINT)
 
 
 def product_weights(language) -> list[torch.Tensor]:
@@ -709,8 +714,8 @@ def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
 
 def invariant_compilation() -> list[str]:
     """Compiler settings that keep a row's bytes whatever the shape it runs in; the ones this
-    torch has. Without them a pass's bytes followed which compiled graph ran it (on the H200
-    a question asked alone moved by up to 0.0084):
+    torch has. Without them a pass's bytes followed which compiled graph ran it (on the GPU a
+    question asked alone moved in joint passes):
     - no duck sizing: sizes that happen to be equal when a block is traced (a joint pass's
       question and option rows, say) are not made one symbol, which made a new graph, with
       kernels of its own, each time they later differed;

@@ -21,6 +21,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from runtime.backends.base import Portable
 from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, like
 from runtime.config import RuntimeConfig
 from runtime.constants import GRAPHS
@@ -83,7 +84,7 @@ def session_options(threads: int | None, cuda: bool = False) -> ort.SessionOptio
     if not cuda:
         # the CPU arena keeps the largest pass's memory for good (a 3,000-token prompt took the
         # worker from 0.99 to 9.8 GB); without it RSS stays at 0.85 GB and short requests are as
-        # fast (docs/measurements/hardening-2026-12-01.md)
+        # fast
         options.enable_cpu_mem_arena = False
     if cuda:
         threads = threads or CUDA_HOST_THREADS
@@ -216,10 +217,17 @@ class Bound:
     graph_id: int
 
 
-class OrtBackend:
+class OrtBackend(Portable):
     """Runs the ONNX Runtime variant of an engine directory."""
 
-    def __init__(self, engines_dir: Path, config: RuntimeConfig | None = None):
+    def __init__(
+        self,
+        engines_dir: Path,
+        config: RuntimeConfig | None = None,
+        static_shapes: bool | None = None,
+    ):
+        """`static_shapes`: a session per shape signature; None: on CUDA, where it is what lets
+        ONNX Runtime keep shape arithmetic off the host and capture CUDA graphs."""
         config = config or RuntimeConfig.from_env()
         available = ort.get_available_providers()
         cuda = "CUDAExecutionProvider" in available and torch.cuda.is_available()
@@ -228,16 +236,15 @@ class OrtBackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         threads = config.ort_threads or None
         on_gpu = self.device.type == "cuda"
-        # on by default on CUDA: the H200 measurement (docs/measurements/h200-2026-11-30b) gave
-        # answers identical to the dynamic sessions', byte for byte, and every workload faster
-        cuda_graphs = config.on(config.cuda_graphs, on_gpu)
+        # CUDA graphs wherever the device has them: answers identical to the dynamic sessions',
+        # byte for byte, and every workload faster
+        cuda_graphs = on_gpu
         folder = onnx_dir(engines_dir)
         self.max_pass_tokens = max_pass_tokens(folder)
-        self.rows_fit = False  # kernels follow the shape: passes keep fixed row counts
+        # kernels follow the shape: passes keep fixed row counts (Portable's capabilities)
         # one session per shape signature with its dimensions fixed, so that ONNX Runtime folds
         # the shape arithmetic that otherwise keeps nodes on the CPU and CUDA graphs off
-        self.static = config.on(config.static_shapes, on_gpu)
-        self.share_weights = config.share_weights
+        self.static = on_gpu if static_shapes is None else static_shapes
         # those sessions are built in the background (1-1.5 s each on the 4b): a pass whose
         # session is not ready yet runs in the dynamic session meanwhile, never waits for it
         self._builder = ThreadPoolExecutor(1, "omnijev-static") if self.static else None
@@ -282,10 +289,10 @@ class OrtBackend:
     def _providers(self, graphs: bool) -> list:
         if self.device.type != "cuda":
             return ["CPUExecutionProvider"]
-        # TF32 would move float32 answers by ~1e-2 (measured on the H200): parity needs it off
+        # TF32 would move float32 answers by ~1e-2: parity needs it off
         options = {"device_id": self.device.index or 0, "use_tf32": "0"}
         # exhaustive cuDNN search re-times the depthwise conv at every new shape: measured 1.5 s
-        # of a 1.9 s profile on the H200; the heuristic choice brought a request from 977 ms to 250
+        # of a 1.9 s profile; the heuristic choice brought a request from 977 ms to 250
         options["cudnn_conv_algo_search"] = "HEURISTIC"
         if graphs:
             options["enable_cuda_graph"] = "1"
@@ -295,8 +302,7 @@ class OrtBackend:
         options = session_options(self._threads, self.device.type == "cuda")
         for dim, size in (fixed or {}).items():
             options.add_free_dimension_override_by_name(dim, int(size))
-        if self.share_weights:  # else each session reads its own copy from the files
-            self.weights.add_to(options, path)
+        self.weights.add_to(options, path)  # every session reads the one copy
         return options
 
     def _session(self, path: str, graphs: bool, fixed: dict | None = None):
@@ -337,8 +343,13 @@ class OrtBackend:
         return False
 
     def run(
-        self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+        self,
+        graph: str,
+        feeds: dict[str, torch.Tensor],
+        outputs: dict[str, torch.Tensor],
+        lane: int = 0,
     ) -> None:
+        self.check_lane(graph, lane)
         feeds = self._checked(graph, feeds)
         shapes = signature(feeds, outputs)
         if self._fixed(graph, shapes) and self._fixed_slot(graph, shapes, feeds, outputs):

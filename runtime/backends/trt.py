@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from runtime import manifest as manifests
+from runtime.backends.base import Portable
 from runtime.backends.graphs import GraphSlots, Slot
 from runtime.config import RuntimeConfig
 from runtime.constants import DTYPES
@@ -145,7 +146,7 @@ class Plan:
         return [item["name"] for item in self.io if item["mode"] == "output"]
 
 
-class TensorRTBackend:
+class TensorRTBackend(Portable):
     """Runs the plans of an engine directory (interface of OrtBackend)."""
 
     def __init__(
@@ -171,8 +172,7 @@ class TensorRTBackend:
         self.name = plans["library"]
         self.device = torch.device(config.device or "cuda")
         self.max_pass_tokens = plans["max_pass_tokens"]  # the executor splits longer passes
-        self.rows_fit = False  # kernels follow the shape: passes keep fixed row counts
-        self.capture = config.on(config.cuda_graphs, True)
+        # kernels follow the shape: passes keep fixed row counts (Portable's capabilities)
         self._lock = threading.Lock()  # one enqueue at a time: contexts share scratch memory
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)  # never the default stream (§7.1)
@@ -201,7 +201,7 @@ class TensorRTBackend:
             bind=lambda key, feeds, outputs: self._bind(plan, key[1], feeds),
             launch=self._enqueue,
             size=MAX_BOUND,
-            capture=self.capture,
+            capture=True,
             stream=self.stream,
         )
         return plan
@@ -218,8 +218,13 @@ class TensorRTBackend:
         return self.plans[graph].output_names
 
     def run(
-        self, graph: str, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
+        self,
+        graph: str,
+        feeds: dict[str, torch.Tensor],
+        outputs: dict[str, torch.Tensor],
+        lane: int = 0,
     ) -> None:
+        self.check_lane(graph, lane)
         plan = self.plans[graph]
         tensors = self._inputs(graph, plan, feeds)
         values = axis_values(plan.inputs, {name: t.shape for name, t in tensors.items()})

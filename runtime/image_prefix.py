@@ -1,0 +1,132 @@
+"""The image's part of a request: the vision tower on the device and the image prefix pass, whose
+states every question row continues; kept across requests by what they depend on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.constants import IMAGE_GRAPH
+from runtime.images import NORMALIZED, device_image_patches
+from runtime.lru import LRU
+from runtime.passes import PREFIX_STEP, Pass, bucket
+from runtime.run_passes import PassRunner, State, Stopwatch, to_device
+from runtime.types import PreparedImage
+
+# the vision tower's position and rotary tables depend only on the patch grid: kept on the
+# device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
+VISION_TABLES = 8
+
+
+class ImagePrefix:
+    """The vision tower and the image prefix of a runner's backend, with the prefix cache (an
+    image prefix is ~50 MiB of Gated DeltaNet state plus 32 KiB of K/V per prefix token on the
+    4b, docs/model.md §11)."""
+
+    def __init__(self, runner: PassRunner, export_dir: Path, model_config: dict, cached: int):
+        self.runner = runner
+        self.backend = runner.backend
+        self.device = runner.device
+        self.model_config = model_config
+        self.pos_embed = vision_pos_embed(export_dir)
+        self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)
+        # a hit reuses the very tensors the same inputs gave: bit-identical answers either way
+        self.cache: LRU[str, tuple[State, State]] = LRU(cached)
+        self.tables: LRU[tuple, dict[str, torch.Tensor]] = LRU(VISION_TABLES)
+
+    def states(self, image: PreparedImage, rows: Pass, clock: Stopwatch) -> tuple[State, State]:
+        """(prefix, after prefix) states of an image and its prefix's pass: from the prefix
+        cache, else the vision tower and the prefix pass enqueued (laps "vision", "prefix")."""
+        key = prefix_key(image, rows) if self.cache.size > 0 else None
+        cached = self.cache.get(key) if key is not None else None
+        if cached is not None:
+            clock.lap("vision")
+            clock.lap("prefix")
+            return cached
+        features = self.vision(image)
+        clock.lap("vision")
+        states = self.runner.run_prefix(rows, features)
+        clock.lap("prefix")
+        if key is not None:
+            self.cache.put(key, states)
+        return states
+
+    def vision(self, image: PreparedImage) -> torch.Tensor:
+        """The image's rows for the prefix pass, zero rows up to the prefix's bucket: the pass
+        takes image rows in order, so the extra rows are never read, and the prefix pass's
+        shapes repeat across image sizes."""
+        feeds = dict(self.vision_tables(tuple(int(x) for x in image.grid_thw)))
+        rows = image.image_tokens
+        dtype = self.runner.dtypes["image_features"]
+        hidden = self.runner.dims.hidden
+        features = torch.zeros(bucket(rows, PREFIX_STEP), hidden, dtype=dtype, device=self.device)
+        graph = self.vision_graph(image)
+        if graph == IMAGE_GRAPH:
+            feeds["rgb"] = self.tensor(image.rgb, torch.uint8)
+        else:
+            dtypes = self.backend.input_dtypes("vision")
+            feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
+        self.backend.run(graph, feeds, {self.output_name(graph, "image_features"): features[:rows]})
+        return features
+
+    def vision_graph(self, image: PreparedImage) -> str:
+        """`image` (the backend resizes and packs the decoded image inside the tower's graph)
+        where the backend has it and the image is left to the device whole; else `vision`."""
+        whole = image.pixel_values is None and image.resized is None
+        return IMAGE_GRAPH if whole and self.backend.capabilities.image_graph else "vision"
+
+    def pixel_values(self, image: PreparedImage, dtype: torch.dtype) -> torch.Tensor:
+        """The vision tower's patches: packed on the host, or made on the device from the uint8
+        resized image (`prepare(pack=False)`) or from the decoded one, resized there too
+        (`prepare(pack=False, resize=False)`, byte for byte the host's resize)."""
+        if image.pixel_values is not None:
+            return self.tensor(image.pixel_values, dtype)
+        upload = partial(self.tensor, dtype=torch.uint8)
+        return device_image_patches(image, upload, self.pixel_table).to(dtype).contiguous()
+
+    def vision_tables(self, grid: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
+        from runtime.model.vision import vision_inputs
+
+        def make() -> dict[str, torch.Tensor]:
+            dtypes = self.backend.input_dtypes("vision")
+            inputs = vision_inputs(grid, self.pos_embed, self.model_config)
+            return {name: self.tensor(inputs[name], dtypes[name]) for name in inputs}
+
+        return self.tables.get_or_make(grid, make)
+
+    def output_name(self, graph: str, wanted: str) -> str:
+        names = self.backend.output_names(graph)
+        return wanted if wanted in names else names[0]
+
+    def tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(array, self.device, dtype)
+
+
+def vision_pos_embed(export_dir: Path) -> np.ndarray:
+    """The vision tower's position table, which `vision_inputs` interpolates on the host."""
+    from safetensors import safe_open
+
+    with safe_open(str(export_dir / "vision.safetensors"), framework="pt") as f:
+        return f.get_tensor("model.visual.pos_embed.weight").float().numpy()
+
+
+def prefix_key(image: PreparedImage, rows: Pass) -> str:
+    """Everything the image prefix depends on: its pass's tokens and positions, and the resized
+    uint8 image, which fixes the pixel values (hashing the encoded image's digest where the
+    preparation made one is cheaper than the decoded pixels)."""
+    digest = hashlib.sha256()
+    digest.update(rows.input_ids.tobytes())
+    digest.update(rows.positions.tobytes())
+    if image.digest is not None:  # the encoded image's, made while preparing
+        digest.update(image.digest)
+    else:
+        pixels = image.resized if image.resized is not None else image.rgb
+        digest.update(np.asarray(pixels.shape, dtype=np.int64).tobytes())
+        digest.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+    return digest.hexdigest()

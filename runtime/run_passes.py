@@ -1,0 +1,521 @@
+"""Runs a request's planned language-model passes on a backend: each pass's feeds and output
+buffers, the states one pass hands the next, passes longer than the engine takes in pieces, and
+joint passes in the backend's lanes. Every pass is enqueued; nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from runtime.backends import Backend, Capabilities
+from runtime.constants import JOINT, JOINT_GRAPH
+from runtime.passes import OPTION_STEP, JointPass, OptionPass, Pass, Plan, QuestionPass
+
+GPU_STAGES = ("vision", "prefix", "questions", "options", "readouts")  # Stopwatch's laps
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Language-model shapes the state tensors need, read from config.json."""
+
+    hidden: int
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    delta_layers: int
+    conv_channels: int
+    conv_state: int  # kernel - 1 columns carried between passes
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> Dims:
+        text = config.get("text_config", config)
+        types = text.get("layer_types") or []
+        key_heads, value_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+        key_dim, value_dim = text["linear_key_head_dim"], text["linear_value_head_dim"]
+        return cls(
+            hidden=text["hidden_size"],
+            attention_layers=sum(t == "full_attention" for t in types),
+            kv_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            delta_layers=sum(t == "linear_attention" for t in types),
+            conv_channels=2 * key_heads * key_dim + value_heads * value_dim,
+            conv_state=text["linear_conv_kernel_dim"] - 1,
+            value_heads=value_heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+        )
+
+
+@dataclass
+class State:
+    """A batch of states as pass inputs: attention K/V with a validity mask, conv, recurrent."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    mask: torch.Tensor
+    conv: list[torch.Tensor]
+    rec: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Choices:
+    """How the executor runs requests on its backend, each a consequence of the backend's
+    `Capabilities` (`of`); a test or a measurement may give others to the executor."""
+
+    fit: bool  # passes sized to the request (runtime.passes.plan(fit=True))
+    joint: bool  # option passes with their questions' rows (plan(joint=True))
+    lanes: int  # joint passes of different option lengths at once in this many lanes
+    device_heads: bool  # the heads' D-wide MLPs on the engine's device (Heads.use_device)
+    mlps_behind: bool  # those MLPs enqueued right behind the passes, back with the readouts
+    early_heads: bool  # heads of questions finished by earlier joint passes beside later ones
+
+    @classmethod
+    def of(cls, capabilities: Capabilities) -> Choices:
+        fit = capabilities.rows_fit
+        on_device = capabilities.asynchronous
+        return cls(
+            fit=fit,
+            joint=fit and capabilities.joint,
+            lanes=capabilities.lanes,
+            device_heads=on_device,
+            mlps_behind=on_device,
+            early_heads=on_device,
+        )
+
+
+@dataclass
+class Ran:
+    """A request's enqueued passes: (pass, outputs) for the heads' readouts, in order, and
+    which of them `landed` early (a joint pass at a time, `PassRunner.run_plan(land=...)`)."""
+
+    reads: list[tuple[QuestionPass | OptionPass, dict]] = field(default_factory=list)
+    landed: list[list[tuple[QuestionPass | OptionPass, dict]]] = field(default_factory=list)
+
+    @property
+    def later(self) -> list[tuple[QuestionPass | OptionPass, dict]]:
+        """The reads not in a landed group."""
+        early = {id(out) for group in self.landed for _, out in group}
+        return [(p, out) for p, out in self.reads if id(out) not in early]
+
+
+class PassRunner:
+    """The passes of a backend: feeds, outputs and states of each, in the backend's lanes."""
+
+    def __init__(self, backend: Backend, dims: Dims, image_token: int, question_rows: int):
+        self.backend = backend
+        self.capabilities = backend.capabilities
+        self.device = backend.device
+        self.dims = dims
+        self.image_token = image_token
+        self.question_rows = question_rows
+        self.dtypes = backend.input_dtypes("lm_state")
+        self._empty: State | None = None  # empty_state, made on first use
+
+    # -- a plan ---------------------------------------------------------------------------
+
+    def run_plan(
+        self, work: Plan, prefix: State, after_prefix: State, lanes: int, land, clock: Stopwatch
+    ) -> Ran:
+        """Every pass of `work` after its image prefix: the joint passes (each in its lane),
+        then each question pass and straight after it its options, while its states are the
+        freshest. `land(k, pairs)` is called with each joint pass's reads as it is enqueued; a
+        truthy answer marks the group landed (copied back on its own)."""
+        ran = Ran()
+        in_lanes = Lanes(self.backend, self.device, lanes)
+        for k, jp in enumerate(work.joint):
+            lane = lane_of(jp, lanes)
+            with in_lanes.entered(lane):
+                out, options_out = self.run_joint(jp, prefix, after_prefix, lane)
+                pairs = [(jp.question, out), (jp.options, options_out)]
+                if land(k, pairs):
+                    ran.landed.append(pairs)
+            ran.reads += pairs
+            clock.lap("options")
+        in_lanes.join()
+        for pi, qp in enumerate(work.questions):
+            out, state = self.run_question(qp, prefix, after_prefix)
+            ran.reads.append((qp, out))
+            clock.lap("questions")
+            for op in work.options:
+                if op.question_pass == pi:
+                    ran.reads.append((op, self.run_options(op, prefix, state)))
+            clock.lap("options")
+        return ran
+
+    # -- passes ---------------------------------------------------------------------------
+
+    def run_prefix(self, rows: Pass, features: torch.Tensor) -> tuple[State, State]:
+        """The image prefix (the plan's `prefix` pass): its K/V become every later row's shared
+        past, its recurrent states every question row's source."""
+        empty = self.empty_state()
+        out = self.run_pass(rows, features, empty, empty, with_state=True)
+        state = self.state_from(out, rows)
+        prefix = State(k=state.k, v=state.v, mask=state.mask, conv=[], rec=[])
+        after = State(k=empty.k, v=empty.v, mask=empty.mask, conv=state.conv, rec=state.rec)
+        return prefix, after
+
+    def run_question(
+        self, qp: QuestionPass, prefix: State, after_prefix: State
+    ) -> tuple[dict[str, torch.Tensor], State]:
+        """A question pass; its states go where the option passes read them (`state_buffer`):
+        valid until the next question pass of the same shape, which runs after these options."""
+        out = self.run_pass(
+            qp.rows, self.dummy_features(), prefix, after_prefix, with_state=True, lend=True
+        )
+        return out, self.state_from(self.lent(out, qp.rows), qp.rows)
+
+    def run_options(
+        self, op: OptionPass, prefix: State, question_state: State
+    ) -> dict[str, torch.Tensor]:
+        return self.run_pass(op.rows, self.dummy_features(), prefix, question_state, False)
+
+    def run_joint(
+        self, jp: JointPass, prefix: State, after_prefix: State, lane: int = 0
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A joint pass: (the question rows' readouts, the option rows' readouts); in `lane` > 0
+        on that lane's graphs (the caller has made the lane's stream current)."""
+        pad = self.capabilities.padded_targets
+        arrays = jp.question.rows.arrays(pad)
+        named, outputs = dict(arrays), self.outputs(jp.question.rows, arrays, with_state=False)
+        options = jp.options.rows.arrays(pad)
+        named.update({JOINT + name: a for name, a in options.items()})
+        for name, tensor in self.outputs(jp.options.rows, options, with_state=False).items():
+            outputs[JOINT + name] = tensor
+        feeds = self.feeds(named, self.dummy_features(), prefix, after_prefix)
+        self.backend.run(JOINT_GRAPH, feeds, outputs, lane=lane)
+        readouts = ("hidden", "logprobs")
+        return (
+            {name: outputs[name] for name in readouts},
+            {name: outputs[JOINT + name] for name in readouts},
+        )
+
+    def run_pass(
+        self,
+        rows: Pass,
+        features: torch.Tensor,
+        prefix: State,
+        src: State,
+        with_state: bool,
+        lend: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        if not with_state and not self.backend.has_graph("lm_rows"):
+            with_state = True  # an engine directory without the readout-only variant
+        limit = self.backend.max_pass_tokens
+        if limit and rows.shape[1] > limit:
+            return self.run_split(rows, features, prefix, src, with_state, limit)
+        graph = "lm_state" if with_state else "lm_rows"
+        arrays = rows.arrays(self.capabilities.padded_targets)
+        outputs = self.outputs(rows, arrays, with_state, lend)
+        if not rows.read_rows and not rows.targets and self.capabilities.optional_readouts:
+            outputs.pop("hidden")  # nothing read (the image prefix): no readout to run
+            outputs.pop("logprobs")
+        self.backend.run(graph, self.feeds(arrays, features, prefix, src), outputs)
+        return outputs
+
+    def run_split(
+        self,
+        rows: Pass,
+        features: torch.Tensor,
+        prefix: State,
+        src: State,
+        with_state: bool,
+        limit: int,
+    ) -> dict[str, torch.Tensor]:
+        """A pass longer than the engine takes (the standard-op Gated DeltaNet: one chunk of
+        `limit` tokens) as consecutive pieces, each continuing the rows' own state."""
+        t, d = rows.shape[1], self.dims
+        arrays = rows.arrays()
+        hidden = torch.empty(len(arrays["read_rows"]), d.hidden, device=self.device)
+        logprobs = torch.empty(len(arrays["target_tokens"]), device=self.device)
+        index = self.tensor(rows.src, torch.int64)
+        lengths = self.tensor(rows.lengths, torch.int64)
+        # each row's source past, gathered once: every later piece reads it before its own tokens
+        own_k = [[src.k[i][index]] for i in range(d.attention_layers)]
+        own_v = [[src.v[i][index]] for i in range(d.attention_layers)]
+        past_mask = src.mask[index]
+        state, image_rows, out = src, 0, {}
+        for start in range(0, t, limit):
+            piece = slice_pass(rows, start, min(t, start + limit))
+            count = int((piece.input_ids == self.image_token).sum())
+            piece_features = features[image_rows : image_rows + count] if count else features[:1]
+            image_rows += count
+            out = self.run_pass(piece, piece_features, prefix, state, with_state=True)
+            hidden[piece.read_index] = out["hidden"][: len(piece.read_index)]
+            logprobs[piece.target_index] = out["logprobs"][: len(piece.target_index)]
+            for i in range(d.attention_layers):
+                own_k[i].append(out[f"out_k.{i}"])
+                own_v[i].append(out[f"out_v.{i}"])
+            done = start + piece.shape[1]
+            if done < t:
+                own_mask = torch.arange(done, device=self.device)[None, :] < lengths[:, None]
+                state = State(
+                    k=[torch.cat(parts, dim=2) for parts in own_k],
+                    v=[torch.cat(parts, dim=2) for parts in own_v],
+                    mask=torch.cat([past_mask, own_mask], dim=1),
+                    conv=[out[f"out_conv.{j}"] for j in range(d.delta_layers)],
+                    rec=[out[f"out_rec.{j}"] for j in range(d.delta_layers)],
+                )
+        result = {"hidden": hidden, "logprobs": logprobs}
+        if with_state:
+            for i in range(d.attention_layers):
+                result[f"out_k.{i}"] = torch.cat(own_k[i][1:], dim=2)
+                result[f"out_v.{i}"] = torch.cat(own_v[i][1:], dim=2)
+            for j in range(d.delta_layers):
+                result[f"out_conv.{j}"] = out[f"out_conv.{j}"]
+                result[f"out_rec.{j}"] = out[f"out_rec.{j}"]
+        return result
+
+    # -- feeds, outputs, states -----------------------------------------------------------
+
+    def feeds(
+        self, arrays: dict[str, np.ndarray], features: torch.Tensor, prefix: State, src: State
+    ) -> dict:
+        feeds = upload_ints(arrays, self.device)
+        feeds["image_features"] = features
+        feeds["prefix_mask"] = prefix.mask
+        feeds["src_mask"] = src.mask
+        for i in range(self.dims.attention_layers):
+            feeds[f"prefix_k.{i}"], feeds[f"prefix_v.{i}"] = prefix.k[i], prefix.v[i]
+            feeds[f"src_k.{i}"], feeds[f"src_v.{i}"] = src.k[i], src.v[i]
+        for j in range(self.dims.delta_layers):
+            feeds[f"src_conv.{j}"], feeds[f"src_rec.{j}"] = src.conv[j], src.rec[j]
+        return feeds
+
+    def outputs(
+        self, rows: Pass, arrays: dict[str, np.ndarray], with_state: bool, lend: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Tensors the pass writes; with `lend`, its states go straight into the buffers the
+        backend reads the next passes' sources from, where it lends them (no copy in)."""
+        d, dt = self.dims, self.dtypes
+        b, t = rows.shape
+        out = {
+            "hidden": torch.empty(len(arrays["read_rows"]), d.hidden, device=self.device),
+            "logprobs": torch.empty(len(arrays["target_tokens"]), device=self.device),
+        }
+        if not with_state:
+            return out
+        shapes = {}
+        for i in range(d.attention_layers):
+            for kind in ("k", "v"):
+                shapes[f"{kind}.{i}"] = ((b, d.kv_heads, t, d.head_dim), dt["prefix_k.0"])
+        for j in range(d.delta_layers):
+            shapes[f"conv.{j}"] = ((b, d.conv_channels, d.conv_state), dt["src_conv.0"])
+            shapes[f"rec.{j}"] = ((b, d.value_heads, d.key_dim, d.value_dim), dt["src_rec.0"])
+        for name, (shape, dtype) in shapes.items():
+            whole = None
+            if lend:  # the pass's rows of the lent buffer (source_rows)
+                wide = (self.source_rows(b), *shape[1:])
+                whole = self.backend.state_buffer(f"src_{name}", wide, dtype)
+            if whole is not None:
+                out[f"out_{name}"] = whole[:b]
+            else:
+                out[f"out_{name}"] = torch.empty(shape, dtype=dtype, device=self.device)
+        return out
+
+    def source_rows(self, rows: int) -> int:
+        """Rows of the buffers a question pass lends its states into: the question passes'
+        row count, whatever this pass's (fitted passes have fewer), so that an option pass's
+        sources have one shape per question length and its CUDA graph does not also follow
+        the number of questions asked; the rows past the pass's are never read."""
+        return max(rows, self.question_rows)
+
+    def lent(self, out: dict[str, torch.Tensor], rows: Pass) -> dict[str, torch.Tensor]:
+        """A question pass's outputs with each state as the whole buffer it was written into
+        (`outputs`); the outputs as they are where they were not written there."""
+        widest = self.source_rows(rows.shape[0])
+        if widest == rows.shape[0]:
+            return out
+        whole = dict(out)
+        for name, part in out.items():
+            if name.startswith("out_"):
+                shape = (widest, *part.shape[1:])
+                buffer = self.backend.state_buffer(f"src_{name[4:]}", shape, part.dtype)
+                if buffer is None or buffer.data_ptr() != part.data_ptr():
+                    return out  # none lent, or a pass split in pieces
+                whole[name] = buffer
+        return whole
+
+    def state_from(self, out: dict[str, torch.Tensor], rows: Pass) -> State:
+        """The pass's states as sources; the mask has a row for each row of the state tensors
+        (more than the pass's where they are whole lent buffers: `lent`), the extra ones empty."""
+        d = self.dims
+        states = [t for name, t in out.items() if name.startswith("out_")]
+        lengths = np.zeros(states[0].shape[0] if states else rows.shape[0], dtype=np.int64)
+        lengths[: rows.shape[0]] = rows.lengths
+        # through pinned memory: a pageable upload here would make the host wait for the pass
+        # it follows before it enqueues the next
+        lengths = self.tensor(lengths, torch.int64)
+        positions = torch.arange(rows.shape[1], device=self.device)
+        return State(
+            k=[out[f"out_k.{i}"] for i in range(d.attention_layers)],
+            v=[out[f"out_v.{i}"] for i in range(d.attention_layers)],
+            mask=positions[None, :] < lengths[:, None],
+            conv=[out[f"out_conv.{j}"] for j in range(d.delta_layers)],
+            rec=[out[f"out_rec.{j}"] for j in range(d.delta_layers)],
+        )
+
+    def empty_state(self) -> State:
+        """A state with no past (P = Q = 1, masked) and zero recurrent state: exactly empty.
+        Made once: passes only read their sources (the prefix cache keeps these very tensors
+        across requests already)."""
+        if self._empty is None:
+            self._empty = self.make_empty_state()
+        return self._empty
+
+    def make_empty_state(self) -> State:
+        d, dt, device = self.dims, self.dtypes, self.device
+        kv = dict(dtype=dt["prefix_k.0"], device=device) if d.attention_layers else {}
+        zeros_kv = [
+            torch.zeros(1, d.kv_heads, 1, d.head_dim, **kv) for _ in range(d.attention_layers)
+        ]
+        conv = (1, d.conv_channels, d.conv_state)
+        rec = (1, d.value_heads, d.key_dim, d.value_dim)
+        return State(
+            k=zeros_kv,
+            v=[t.clone() for t in zeros_kv],
+            mask=torch.zeros(1, 1, dtype=torch.bool, device=device),
+            conv=[
+                torch.zeros(conv, dtype=dt["src_conv.0"], device=device)
+                for _ in range(d.delta_layers)
+            ],
+            rec=[
+                torch.zeros(rec, dtype=dt["src_rec.0"], device=device)
+                for _ in range(d.delta_layers)
+            ],
+        )
+
+    def dummy_features(self) -> torch.Tensor:
+        dtype = self.dtypes["image_features"]
+        return torch.zeros(1, self.dims.hidden, dtype=dtype, device=self.device)
+
+    def tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """`to_device` on the backend's device."""
+        return to_device(array, self.device, dtype)
+
+
+def lane_of(jp: JointPass, lanes: int) -> int:
+    """The lane a joint pass runs in, by its own options' length bucket, so that a shape always
+    replays its one lane's graph: options of the shortest bucket in lane 0, longer ones in lane
+    1. The 12 speed-bench questions' two joint passes (options of 8 and of 24 tokens) then run
+    at once."""
+    if lanes < 2:
+        return 0
+    return 1 if jp.options.rows.shape[1] > OPTION_STEP else 0
+
+
+def slice_pass(rows: Pass, start: int, end: int) -> Pass:
+    """Tokens [start, end) of every row; readouts inside them, remembered by their index."""
+    width = end - start
+    piece = Pass(
+        input_ids=np.ascontiguousarray(rows.input_ids[:, start:end]),
+        positions=np.ascontiguousarray(rows.positions[:, :, start:end]),
+        lengths=np.clip(rows.lengths - start, 0, width),
+        src=np.arange(rows.shape[0], dtype=np.int64) if start else rows.src,
+    )
+    t = rows.shape[1]
+    for n, flat in enumerate(rows.read_rows):
+        row, col = divmod(flat, t)
+        if start <= col < end:
+            piece.read_index.append(n)
+            piece.read_rows.append(row * width + col - start)
+    for n, (flat, token) in enumerate(rows.targets):
+        row, col = divmod(flat, t)
+        if start <= col < end:
+            piece.target_index.append(n)
+            piece.targets.append((row * width + col - start, token))
+    return piece
+
+
+class Lanes:
+    """The streams of one request's joint passes: a lane's stream first waits for what the
+    caller's stream had enqueued when this was made (the image prefix), and `join` makes the
+    caller's stream wait for every lane used."""
+
+    def __init__(self, backend: Backend, device: torch.device, lanes: int):
+        self.backend = backend
+        self.used: dict[int, torch.cuda.Stream] = {}
+        self.fork = None
+        if device.type == "cuda" and lanes > 1:
+            self.fork = torch.cuda.Event()
+            self.fork.record()
+
+    @contextmanager
+    def entered(self, lane: int) -> Iterator[None]:
+        stream = self.backend.lane_stream(lane) if lane and self.fork is not None else None
+        if stream is None:
+            yield
+            return
+        if lane not in self.used:
+            stream.wait_event(self.fork)
+            self.used[lane] = stream
+        with torch.cuda.stream(stream):
+            yield
+
+    def join(self) -> None:
+        for stream in self.used.values():
+            torch.cuda.current_stream().wait_stream(stream)
+
+
+class Stopwatch:
+    """Adds the seconds since the previous lap to each stage's name (the stages of one request;
+    interleaved stages add up). With `sync`, a lap first waits for the device, so that each
+    stage holds its own device time; without, a stage holds the time taken to enqueue it."""
+
+    def __init__(self, stages: dict[str, float], sync=None):
+        self.stages = stages
+        for stage in GPU_STAGES:
+            stages.pop(stage, None)
+        self.sync = sync
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self.last
+        self.last = now
+
+
+def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host array on the device; on CUDA through one copy into pinned memory (the array may be
+    a read-only view, as a decoded image is), none where it is pinned already (`pinned_uint8`),
+    and without waiting, so that the host prepares the next pass while the device runs this
+    one."""
+    if device.type != "cuda":
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype)
+    if array.dtype == np.uint8 and array.flags.c_contiguous and array.flags.writeable:
+        given = torch.from_numpy(array)  # a decoded image may be pinned: no pass's integers are
+        if given.is_pinned():
+            return given.to(device, dtype, non_blocking=True)
+    kind = torch.from_numpy(np.empty(0, array.dtype)).dtype
+    pinned = torch.empty(array.shape, dtype=kind, pin_memory=True)
+    pinned.numpy()[...] = array
+    return pinned.to(device, dtype, non_blocking=True)
+
+
+def upload_ints(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """A pass's integer inputs in one host-to-device copy (`to_device`), then views of it by
+    name."""
+    flat = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in arrays.values()]
+    uploaded = to_device(np.concatenate(flat), device, torch.int64)
+    views, at = {}, 0
+    for (name, array), part in zip(arrays.items(), flat, strict=True):
+        views[name] = uploaded[at : at + part.size].view(array.shape)
+        at += part.size
+    return views
+
+
+def pinned_uint8(shape: tuple[int, ...]) -> np.ndarray:
+    """A uint8 array in pinned host memory, for a decode to write the image into: its upload
+    then copies nothing on the host. The array keeps its tensor, so the memory lives as long as
+    the prepared request, whose readouts wait for the device after the upload."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True).numpy()
