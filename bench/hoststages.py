@@ -36,7 +36,8 @@ class Clock:
 
 def synthetic_heads(hidden: int = HIDDEN, seed: int = HEADS_SEED):
     """Heads of the 4b's shapes with small random weights: the cost of the real ones."""
-    from runtime.heads import Heads, head_shapes
+    from runtime.export_format import head_shapes
+    from runtime.heads import Heads
 
     rng = np.random.default_rng(seed)
     tensors = {
