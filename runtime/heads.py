@@ -221,12 +221,15 @@ class Heads:
         with torch.inference_mode():
             return same_rows(lambda rows: torch.nn.functional.linear(rows, weight, bias), x)
 
-    def use_device(self, device: torch.device | str) -> bool:
+    def use_device(
+        self, device: torch.device | str, mlps_class: type[DeviceMLPs] | None = None
+    ) -> bool:
         """Run the four D-wide MLPs on `device` from now on, if it gives a row the same bytes
-        in any product and agrees with the host (DeviceMLPs.usable); whether it does."""
+        in any product and agrees with the host (DeviceMLPs.usable); whether it does.
+        `mlps_class`: what makes them (DeviceMLPs, or a subclass of it)."""
         self.device_mlps = None
         try:
-            mlps = DeviceMLPs(self, torch.device(device))
+            mlps = (mlps_class or DeviceMLPs)(self, torch.device(device))
             if mlps.usable():
                 self.device_mlps = mlps
         except RuntimeError as error:  # a device that cannot run them

@@ -173,9 +173,12 @@ def open_data_url(value: object) -> tuple[str, bytes, OpenedImage]:
     return mime, data, OpenedImage(open_header(data, mime))
 
 
-def decode_base64(encoded: str) -> bytes:
-    """Strict standard base64 with canonical padding, as Rust's base64 `STANDARD` engine."""
-    data = fast_base64(encoded)
+def decode_base64(encoded: str, *, simd: bool = True) -> bytes:
+    """Strict standard base64 with canonical padding, as Rust's base64 `STANDARD` engine.
+
+    `simd`: try pybase64 first (`fast_base64`); without it, binascii alone decides (the same
+    texts and bytes either way)."""
+    data = fast_base64(encoded) if simd else None
     if data is None:
         try:
             data = binascii.a2b_base64(encoded, strict_mode=True)
@@ -325,14 +328,20 @@ def check_size(width: int, height: int) -> None:
 
 
 def decode_rgb(
-    data: bytes, mime: str, opened: OpenedImage | None = None, allocate: Allocate | None = None
+    data: bytes,
+    mime: str,
+    opened: OpenedImage | None = None,
+    allocate: Allocate | None = None,
+    *,
+    fast: bool = True,
 ) -> np.ndarray:
     """Pillow's `Image.open(...).convert("RGB")` as uint8 [H, W, 3], refusing animations.
 
     `opened` is the contract's open image of these bytes, used if not taken yet. The array is a
     read-only view of Pillow's pixel bytes: `convert("RGB")` of an RGB image would only copy.
     `allocate(shape)` gives the uint8 array a PNG that libspng decodes is written into (pinned
-    memory, for an upload without a copy); Pillow's decodes keep their own.
+    memory, for an upload without a copy); Pillow's decodes keep their own. `fast`: a PNG
+    tries `fast_png` first; without it, Pillow alone decodes (the same pixels or refusal).
     """
     image = opened.take() if opened is not None else None
     if image is None:
@@ -342,9 +351,9 @@ def decode_rgb(
         width, height = image.size
         if width * height * PILLOW_PEAK_BYTES_PER_PIXEL > MAX_DECODE_BYTES:
             raise ContractError(INVALID_IMAGE)
-        fast = fast_png(data, image, allocate) if mime == "image/png" else None
-        if fast is not None:
-            return fast
+        rgb = fast_png(data, image, allocate) if fast and mime == "image/png" else None
+        if rgb is not None:
+            return rgb
         try:
             image.load()
             if image.mode == "RGB":
@@ -407,7 +416,12 @@ def fast_png_codecs() -> tuple[Callable[[bytes, int], bytes], Libspng] | None:
 
 
 def fast_png(
-    data: bytes, image: Image.Image, allocate: Allocate | None = None
+    data: bytes,
+    image: Image.Image,
+    allocate: Allocate | None = None,
+    *,
+    threads: int = DECODE_THREADS,
+    piece_ns: int = PIECE_MIN_NS,
 ) -> np.ndarray | None:
     """`convert("RGB")` of an opened, unloaded 8-bit RGB, RGBA or gray PNG by libdeflate and
     libspng, or None where Pillow must decode it (other modes, interlace, image data that is not
@@ -416,7 +430,8 @@ def fast_png(
     Byte for byte Pillow's: Pillow has read every chunk before the image data; the run of IDAT
     chunks ends in IEND, so Pillow's `load_end` reads nothing more; libdeflate takes only a
     complete zlib stream of a 32 KiB window with its checksum, inflating to exactly the rows
-    (Pillow reads those bytes and stops); the filter types are checked; libspng unfilters them.
+    (Pillow reads those bytes and stops); the filter types are checked; libspng unfilters them,
+    in at most `threads` pieces of at least `piece_ns` each (`png_pieces`).
     """
     codecs = fast_png_codecs()
     if codecs is None or len(image.tile) != 1 or image.info.get("interlace"):
@@ -442,20 +457,22 @@ def fast_png(
     gray = spng_format == "G8"
     shape = (height, width) if gray else (height, width, 3)
     out = allocate(shape) if allocate is not None and not gray else np.empty(shape, np.uint8)
-    pieces = png_pieces(filters, stride, DECODE_THREADS)
+    pieces = png_pieces(filters, stride, threads, piece_ns)
     if not unfilter_pieces(libspng, raw, pieces, out, stride, colour_type, spng_format):
         return None
     return np.repeat(out[:, :, None], 3, axis=2) if gray else out
 
 
-def png_pieces(filters: np.ndarray, stride: int, count: int) -> list[tuple[int, int]]:
+def png_pieces(
+    filters: np.ndarray, stride: int, count: int, piece_ns: int = PIECE_MIN_NS
+) -> list[tuple[int, int]]:
     """Row ranges [start, stop) that cover the image, each starting at row 0 or at a row
     filtered with None or Sub, cut where the estimated unfiltering cost (FILTER_NS_PER_BYTE)
     crosses each 1/n of the whole, n at most `count` and no piece meant to cost less than
-    PIECE_MIN_NS."""
+    `piece_ns`."""
     height = filters.size
     cost = np.cumsum(FILTER_NS_PER_BYTE[filters] * stride)
-    wanted = min(count, int(cost[-1] // PIECE_MIN_NS))
+    wanted = min(count, int(cost[-1] // piece_ns))
     starts = np.flatnonzero(filters[1:] <= 1) + 1  # rows that read no row above them
     if wanted < 2 or starts.size == 0:
         return [(0, height)]

@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -36,13 +37,17 @@ EXPORT_MANIFEST = "omnijev_export.json"  # the checkpoint's manifest, recorded b
 DIM = re.compile(r"^(?:(\d+)\*)?([A-Za-z_]\w*)$")  # "T" or "4*merged", as the export names axes
 
 
-def import_library(name: str | None = None) -> ModuleType | None:
-    """The first importable TensorRT module (`name`: only `tensorrt` or only TensorRT-RTX)."""
+def import_library(
+    name: str | None = None,
+    import_module: Callable[[str], ModuleType] = importlib.import_module,
+) -> ModuleType | None:
+    """The first importable TensorRT module (`name`: only `tensorrt` or only TensorRT-RTX), each
+    tried with `import_module`."""
     for module in LIBRARIES:
         if name is not None and library_name_of(module) != name:
             continue
         try:
-            return importlib.import_module(module)
+            return import_module(module)
         except Exception:  # noqa: BLE001 - placeholder wheels fail in many ways; try the next
             continue
     return None

@@ -77,8 +77,15 @@ def parse_body(body: bytes, *, interleave: bool = False) -> dict:
     parse in a thread lets the others run (json.loads holds the GIL while it stays in C; the
     hooks cost ~1.5x on number-heavy bodies but hand the GIL over every few milliseconds).
     """
+    return parse_passing_over(body, base64_run(body), interleave=interleave)
+
+
+def parse_passing_over(
+    body: bytes, run: tuple[int, int] | None, *, interleave: bool = False
+) -> dict:
+    """`parse_body` with the depth, surrogate and number checks passing over body[run[0]:run[1]]
+    (`base64_run`); None: checking the whole body."""
     text = _decode(body)
-    run = base64_run(body)
     if _max_open_containers(body, run) > MAX_OPEN_CONTAINERS:
         raise BodyError(NOT_VALID + "recursion limit exceeded")
     check_surrogates = _surrogate_escapes(body, run)
@@ -150,24 +157,24 @@ def _max_open_containers(body: bytes, run: tuple[int, int] | None = None) -> int
     return _scanned_depth(body, run)
 
 
-def _scanned_depth(body: bytes, run: tuple[int, int] | None = None) -> int:
-    """The most arrays and objects open at once, chunk by chunk (`SCAN_CHUNK`), up to the first
+def _scanned_depth(body: bytes, run: tuple[int, int] | None = None, chunk: int = SCAN_CHUNK) -> int:
+    """The most arrays and objects open at once, `chunk` bytes at a time, up to the first
     chunk that passes MAX_OPEN_CONTAINERS; from `run`'s end on where the scan is inside a
     string at its start (the run has no quote or backslash: it changes nothing)."""
     state = (0, 0, False, 0)  # (depth, deepest, inside a string, backslashes just before)
     if run is None:
-        return _scan_range(body, 0, len(body), state)[1]
-    state = _scan_range(body, 0, run[0], state)
+        return _scan_range(body, 0, len(body), state, chunk)[1]
+    state = _scan_range(body, 0, run[0], state, chunk)
     if state[1] > MAX_OPEN_CONTAINERS:
         return state[1]
     resume = run[1] if state[2] else run[0]
-    return _scan_range(body, resume, len(body), state)[1]
+    return _scan_range(body, resume, len(body), state, chunk)[1]
 
 
-def _scan_range(body: bytes, first: int, last: int, state: tuple) -> tuple:
-    """The depth scan's state after body[first:last], from `state`."""
-    for start in range(first, last, SCAN_CHUNK):
-        end = min(start + SCAN_CHUNK, last)
+def _scan_range(body: bytes, first: int, last: int, state: tuple, chunk: int) -> tuple:
+    """The depth scan's state after body[first:last], from `state`, `chunk` bytes at a time."""
+    for start in range(first, last, chunk):
+        end = min(start + chunk, last)
         lo, hi = read_span(body, start, end)
         if lo > start:  # plain bytes before the first read one: they end any backslash run
             state = (*state[:3], 0)

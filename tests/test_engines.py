@@ -345,7 +345,7 @@ def test_readout_choice(monkeypatch, tmp_path):
     assert trt_build.trt_readout(Module()) == ("plugin", "tensorrt with the plugin library")
 
 
-def test_library_selection_prefers_full_tensorrt(monkeypatch):
+def test_library_selection_prefers_full_tensorrt():
     tried = []
 
     def fake_import(name):
@@ -354,10 +354,9 @@ def test_library_selection_prefers_full_tensorrt(monkeypatch):
             raise ImportError("placeholder wheel")
         return type(sys)(name)
 
-    monkeypatch.setattr(manifests.importlib, "import_module", fake_import)
-    assert manifests.import_library().__name__ == "tensorrt_rtx"
+    assert manifests.import_library(import_module=fake_import).__name__ == "tensorrt_rtx"
     assert tried == ["tensorrt", "tensorrt_rtx"]
-    assert manifests.import_library("tensorrt") is None
+    assert manifests.import_library("tensorrt", fake_import) is None
     assert manifests.library_name_of("tensorrt_rtx_bindings") == manifests.RTX
     assert trt_build.target_capability("SM120") == "12.0"
 

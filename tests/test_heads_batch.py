@@ -198,21 +198,19 @@ def test_device_mlps_keep_the_refusals_in_question_order():
         questions_mu(heads, [items[0], ("choice", bad), items[3]])
 
 
-def test_device_mlps_that_disagree_with_the_host_are_refused(monkeypatch):
+def test_device_mlps_that_disagree_with_the_host_are_refused():
     """A device whose products are not the host's (here: a weight off by 1e-3, as reduced
     precision would be) fails the check at load and the heads stay on the host."""
     from runtime.heads import DeviceMLPs
 
+    class Skewed(DeviceMLPs):
+        def __init__(self, heads, device):
+            super().__init__(heads, device)
+            weight, bias = self.t["head.opt.0"]
+            self.t["head.opt.0"] = (weight + 1e-3, bias)
+
     heads = random_heads(64)
-    made = DeviceMLPs.__init__
-
-    def skewed(self, heads, device):
-        made(self, heads, device)
-        weight, bias = self.t["head.opt.0"]
-        self.t["head.opt.0"] = (weight + 1e-3, bias)
-
-    monkeypatch.setattr(DeviceMLPs, "__init__", skewed)
-    assert not heads.use_device("cpu") and heads.device_mlps is None
+    assert not heads.use_device("cpu", Skewed) and heads.device_mlps is None
 
 
 def test_device_mlps_whose_rows_follow_their_neighbours_are_refused(monkeypatch):
@@ -229,19 +227,19 @@ def test_device_mlps_whose_rows_follow_their_neighbours_are_refused(monkeypatch)
     assert not heads.use_device("cpu")
 
 
-def test_device_mlps_that_fail_to_start_leave_the_heads_on_the_host(monkeypatch):
+def test_device_mlps_that_fail_to_start_leave_the_heads_on_the_host():
     """A device whose MLPs raise while made (a graph it would not capture) is refused, and
     the heads answer as before."""
     from runtime.heads import DeviceMLPs
 
-    def fails(self, heads, device):
-        raise RuntimeError("capture refused")
+    class Fails(DeviceMLPs):
+        def __init__(self, heads, device):
+            raise RuntimeError("capture refused")
 
     heads, rng = random_heads(64), np.random.default_rng(4)
     items = mixed(rng, 64, 3)
     alone = [question_mu(heads, kind, r) for kind, r in items]
-    monkeypatch.setattr(DeviceMLPs, "__init__", fails)
-    assert not heads.use_device("cpu") and heads.device_mlps is None
+    assert not heads.use_device("cpu", Fails) and heads.device_mlps is None
     together = questions_mu(heads, items)
     assert [mu.tobytes() for mu in together] == [mu.tobytes() for mu in alone]
 
@@ -295,7 +293,7 @@ def test_mlp_outputs_a_readout_brings_are_used_in_place_of_the_heads_own():
     assert questions_mu(heads, [items[1]])[0].tobytes() == expected[1].tobytes()
 
 
-def test_mlps_behind_give_applys_bytes_and_are_refused_where_they_do_not(monkeypatch):
+def test_mlps_behind_give_applys_bytes_and_are_refused_where_they_do_not():
     """`DeviceMLPs.behind` (rows already on the device, not waited for) gives each row the
     bytes `apply` gives it; where it did not at load, the executor does not use it."""
     import torch
@@ -310,10 +308,9 @@ def test_mlps_behind_give_applys_bytes_and_are_refused_where_they_do_not(monkeyp
         made = mlps.behind({name: x})[name]
         assert torch.equal(made, mlps.mlp_on_host_rows(name, x))
         assert made.shape == (3 * DEVICE_ROWS, mlps.widths[f"{name}.2"])
-    behind = DeviceMLPs.behind
 
-    def skewed(self, rows):
-        return {name: values + 1 for name, values in behind(self, rows).items()}
+    class SkewedBehind(DeviceMLPs):
+        def behind(self, rows):
+            return {name: values + 1 for name, values in super().behind(rows).items()}
 
-    monkeypatch.setattr(DeviceMLPs, "behind", skewed)
-    assert heads.use_device("cpu") and not heads.device_mlps.behind_usable
+    assert heads.use_device("cpu", SkewedBehind) and not heads.device_mlps.behind_usable

@@ -86,24 +86,20 @@ def pillow_rgb(data: bytes) -> np.ndarray:
         return np.asarray(image.convert("RGB"))
 
 
-def outcome(data: bytes, monkeypatch=None) -> tuple[str, bytes]:
-    """decode_rgb's pixels or refusal; with `monkeypatch`, the runtime's Pillow path alone."""
-    if monkeypatch is not None:
-        monkeypatch.setattr(images, "fast_png", lambda data, image, allocate=None: None)
+def outcome(data: bytes, fast: bool = True) -> tuple[str, bytes]:
+    """decode_rgb's pixels or refusal; without `fast`, the runtime's Pillow path alone."""
     try:
-        rgb = images.decode_rgb(data, "image/png")
+        rgb = images.decode_rgb(data, "image/png", fast=fast)
         return "pixels", rgb.shape[:2] + (rgb.tobytes(),)
     except ContractError as error:
         return "refused", str(error)
-    finally:
-        if monkeypatch is not None:
-            monkeypatch.undo()
 
 
-def fast(data: bytes) -> np.ndarray | None:
+def fast(data: bytes, **pieces: int) -> np.ndarray | None:
+    """`fast_png` of the PNG `data`; `pieces`: its `threads` and `piece_ns`."""
     image = images.open_header(data, "image/png")
     with image:
-        return images.fast_png(data, image)
+        return images.fast_png(data, image, **pieces)
 
 
 def test_the_codecs_are_installed():
@@ -147,9 +143,7 @@ def test_pieces_start_only_where_no_row_above_is_read():
 
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L"])
 @pytest.mark.parametrize("threads", [2, 3, 8])
-def test_pieces_decoded_apart_give_pillows_bytes(mode, threads, monkeypatch):
-    monkeypatch.setattr(images, "PIECE_MIN_NS", 1)
-    monkeypatch.setattr(images, "DECODE_THREADS", threads)
+def test_pieces_decoded_apart_give_pillows_bytes(mode, threads):
     rng = np.random.default_rng(threads)
     for size in ((64, 64), (301, 97), (5, 40)):
         pixels = pixels_of(rng, size, mode, smooth=True)
@@ -157,8 +151,8 @@ def test_pieces_decoded_apart_give_pillows_bytes(mode, threads, monkeypatch):
         filters[size[1] // 3] = 1  # at least one row where a piece can start
         data = hand_png(pixels, mode, filters)
         stride = 1 + size[0] * COLOUR_TYPES[mode][1]
-        assert len(images.png_pieces(np.array(filters, np.uint8), stride, threads)) > 1
-        got = fast(data)
+        assert len(images.png_pieces(np.array(filters, np.uint8), stride, threads, 1)) > 1
+        got = fast(data, threads=threads, piece_ns=1)
         assert got is not None and got.tobytes() == pillow_rgb(data).tobytes()
 
 
@@ -167,10 +161,10 @@ def test_the_bench_still_decodes_in_pieces_as_in_one():
 
     still = bench.encode(bench.screen_image(*bench.BENCH_SIZE, seed=1), "PNG")
     whole = pillow_rgb(still)
+    assert images.decode_rgb(still, "image/png").tobytes() == whole.tobytes()
     for threads in (1, 2, 8):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(images, "DECODE_THREADS", threads)
-            assert images.decode_rgb(still, "image/png").tobytes() == whole.tobytes()
+        got = fast(still, threads=threads)
+        assert got is not None and got.tobytes() == whole.tobytes()
 
 
 def test_a_decode_writes_into_the_array_it_is_given():
@@ -341,14 +335,14 @@ def corruptions(data: bytes, pixels: np.ndarray, rng: np.random.Generator):
         yield f"flipped byte {at}", bytes(damaged)
 
 
-def test_damaged_pngs_end_as_pillow_ends_them(monkeypatch):
+def test_damaged_pngs_end_as_pillow_ends_them():
     rng = np.random.default_rng(11)
     pixels = pixels_of(rng, (37, 23), "RGB", True)
     data = hand_png(pixels, "RGB", [4] * 23)
     assert fast(data) is not None
     seen = set()
     for name, variant in corruptions(data, pixels, rng):
-        expected = outcome(variant, monkeypatch)
+        expected = outcome(variant, fast=False)
         assert outcome(variant) == expected, name
         seen.add(expected[0])
     assert seen == {"pixels", "refused"}  # both kinds of ending were exercised

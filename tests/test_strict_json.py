@@ -185,14 +185,13 @@ def test_the_depth_scan_of_12_mib_of_brackets_stays_small() -> None:
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 1000])
-def test_the_chunked_depth_scan_carries_strings_and_escapes_across_chunks(
-    chunk: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(strict_json, "SCAN_CHUNK", chunk)
+def test_the_chunked_depth_scan_carries_strings_and_escapes_across_chunks(chunk: int) -> None:
     filler = b'"[[\\\\\\"[[\\\\", ' * 40  # brackets and escaped quotes inside strings
     shallow = b'{"a": [' + filler + b"[" * 120 + b"1" + b"]" * 120 + b"]}"
+    assert strict_json._scanned_depth(shallow, chunk=chunk) == 122
     assert len(parse_body(shallow)["a"]) == 41
     deep = b'{"a": [' + filler + b"[" * 126 + b"1" + b"]" * 126 + b"]}"
+    assert strict_json._scanned_depth(deep, chunk=chunk) > MAX_OPEN_CONTAINERS
     assert refusal(deep) == NOT_VALID + "recursion limit exceeded"
 
 
@@ -206,13 +205,10 @@ def whole_chunk_depth(body: bytes, chunk: int) -> int:
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 64, 256 * 1024])
-def test_the_depth_scan_skipping_plain_chunks_gives_the_full_scans_depth(
-    chunk: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_depth_scan_skipping_plain_chunks_gives_the_full_scans_depth(chunk: int) -> None:
     """Chunks without brackets, quotes or backslashes (an image's base64) pass the scan's state
     on unread: the same depth as scanning every chunk, with strings, escaped quotes and
     backslash runs across chunk boundaries, and long runs of plain bytes."""
-    monkeypatch.setattr(strict_json, "SCAN_CHUNK", chunk)
     rng = random.Random(chunk)
     pieces = [b"[", b"]", b"{", b"}", b'"', b"\\", b'\\"', b"\\\\", b"a", b"x" * 40, b" "]
     weights = [6, 5, 6, 5, 8, 2, 2, 1, 10, 3, 4]
@@ -221,7 +217,7 @@ def test_the_depth_scan_skipping_plain_chunks_gives_the_full_scans_depth(
         if rng.random() < 0.5:  # a long plain run, as a data URL's base64
             at = rng.randrange(len(body) + 1)
             body = body[:at] + b"A" * rng.randrange(1, 5 * chunk) + body[at:]
-        assert strict_json._scanned_depth(body) == whole_chunk_depth(body, chunk), body
+        assert strict_json._scanned_depth(body, chunk=chunk) == whole_chunk_depth(body, chunk), body
 
 
 def test_a_large_image_costs_the_depth_scan_little() -> None:
@@ -239,9 +235,9 @@ def test_a_large_image_costs_the_depth_scan_little() -> None:
     assert sparse < whole / 3, (sparse, whole)
 
 
-def outcome(body: bytes) -> tuple[str, str]:
+def outcome(body: bytes, parse: Callable[[bytes], dict] = parse_body) -> tuple[str, str]:
     try:
-        return "parsed", repr(parse_body(body))
+        return "parsed", repr(parse(body))
     except BodyError as error:
         return "refused", str(error)
 
@@ -267,7 +263,7 @@ def random_body(rng: random.Random) -> bytes:
     return f'{{"state": {{"images": [{image}]}}, "questions": {questions}}}'.encode()
 
 
-def test_passing_over_the_base64_run_keeps_every_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_passing_over_the_base64_run_keeps_every_outcome() -> None:
     """`base64_run`: the depth, surrogate and number checks passing over the image's base64
     give every body the outcome (the parsed value, or the refusal's message) of checking the
     whole body."""
@@ -275,8 +271,8 @@ def test_passing_over_the_base64_run_keeps_every_outcome(monkeypatch: pytest.Mon
     bodies = [random_body(rng) for _ in range(1500)]
     assert any(strict_json.base64_run(body) for body in bodies)
     with_run = [outcome(body) for body in bodies]
-    monkeypatch.setattr(strict_json, "base64_run", lambda body: None)
-    whole = [outcome(body) for body in bodies]
+    check_whole = partial(strict_json.parse_passing_over, run=None)
+    whole = [outcome(body, check_whole) for body in bodies]
     kinds = {kind for kind, _ in whole}
     assert kinds == {"parsed", "refused"}
     messages = {message for kind, message in whole if kind == "refused"}

@@ -634,8 +634,6 @@ def test_mlps_behind_the_passes_give_the_heads_own_answers(engines, on_device, e
     question the last passes finish brings its MLP outputs with its readouts, the heads make
     none of them again, and the answers are those of the MLPs run by the heads, byte for byte;
     with early heads too (the questions finished early keep the heads' own trip)."""
-    from runtime.heads import DeviceMLPs
-
     executor = variant(engines, on_device, early_heads=early)
     assert executor.heads.device_mlps.behind_usable
     questions = {**speed_bench_questions(12), **gate_questions(), **choice_with(70)}
@@ -645,8 +643,9 @@ def test_mlps_behind_the_passes_give_the_heads_own_answers(engines, on_device, e
     late = [r.mu is None for r in made]
     assert [r.mlps is not None for r in made] == late and all(late) != early
     trips = []
-    run = DeviceMLPs.run
-    monkeypatch.setattr(DeviceMLPs, "run", lambda self, *a: trips.append(a) or run(self, *a))
+    mlps = executor.heads.device_mlps
+    run = mlps.run  # the executor's own MLPs: the heads' trips pass through this instance
+    monkeypatch.setattr(mlps, "run", lambda *a: trips.append(a) or run(*a))
     behind = without_latency(executor.answer(body))
     # the heads' own trips are the early questions' only
     assert sum(len(rest) for rest, _ in trips) == late.count(False)

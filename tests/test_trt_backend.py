@@ -70,17 +70,25 @@ class FakeLibrary:
         self.__name__, self.__version__ = name, version
 
 
+class GpuLike:
+    """A library of the plans' version that finds every plan valid, and a CUDA device of a
+    chosen compute capability."""
+
+    def __init__(self):
+        self.capability = (8, 9)
+
+    def reason(self, root: Path) -> str | None:
+        return backend.unavailable_reason(
+            root, import_library=FakeLibrary, validity=lambda trt, path: None
+        )
+
+
 @pytest.fixture
 def gpu_like(monkeypatch):
-    """A library of the plans' version and a CUDA device of a chosen compute capability."""
-    state = {"capability": (8, 9)}
-    monkeypatch.setattr(
-        manifests, "import_library", lambda name=None: FakeLibrary(name or manifests.RTX)
-    )
-    monkeypatch.setattr(backend, "plan_validity", lambda trt, path: None)
+    gpu = GpuLike()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: state["capability"])
-    return state
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: gpu.capability)
+    return gpu
 
 
 # -- unavailable_reason --------------------------------------------------------------------------
@@ -98,32 +106,30 @@ def test_reason_for_a_missing_plan_file(tmp_path):
     assert backend.unavailable_reason(root) == "plan for lm_rows missing: plans/lm_rows.plan"
 
 
-def test_reason_when_the_library_is_missing_or_another_version(tmp_path, monkeypatch):
+def test_reason_when_the_library_is_missing_or_another_version(tmp_path):
     root = write_engines(tmp_path / "e", library=manifests.FULL, version="10.13.2.6",
                          device={"name": "NVIDIA H200", "compute_capability": "9.0"})  # fmt: skip
-    monkeypatch.setattr(manifests, "import_library", lambda name=None: None)
-    assert backend.unavailable_reason(root) == "plans need tensorrt, which is not importable"
-    monkeypatch.setattr(
-        manifests, "import_library", lambda name=None: FakeLibrary("tensorrt", "10.16.0.1")
+    missing = backend.unavailable_reason(root, import_library=lambda name: None)
+    assert missing == "plans need tensorrt, which is not importable"
+    newer = backend.unavailable_reason(
+        root, import_library=lambda name: FakeLibrary(name, "10.16.0.1")
     )
-    assert backend.unavailable_reason(root) == (
-        "plans were built with tensorrt 10.13.2.6; 10.16.0.1 is installed"
-    )
+    assert newer == ("plans were built with tensorrt 10.13.2.6; 10.16.0.1 is installed")
 
 
 def test_reason_without_cuda(tmp_path, gpu_like, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert backend.unavailable_reason(write_engines(tmp_path / "e")) == "no CUDA device"
+    assert gpu_like.reason(write_engines(tmp_path / "e")) == "no CUDA device"
 
 
 def test_rtx_refuses_hopper(tmp_path, gpu_like):
     root = write_engines(tmp_path / "e")
-    gpu_like["capability"] = (9, 0)
-    assert backend.unavailable_reason(root) == (
+    gpu_like.capability = (9, 0)
+    assert gpu_like.reason(root) == (
         "tensorrt_rtx refuses compute capability 9.0 (docs/engines.md §0.3)"
     )
-    gpu_like["capability"] = (8, 9)
-    assert backend.unavailable_reason(root) is None
+    gpu_like.capability = (8, 9)
+    assert gpu_like.reason(root) is None
 
 
 def test_rtx_capability_table():
@@ -136,19 +142,19 @@ def test_rtx_capability_table():
 def test_full_tensorrt_plans_need_their_own_device(tmp_path, gpu_like):
     device = {"name": "NVIDIA H200", "compute_capability": "9.0"}
     root = write_engines(tmp_path / "e", library=manifests.FULL, device=device)
-    gpu_like["capability"] = (9, 0)
-    assert backend.unavailable_reason(root) is None
-    gpu_like["capability"] = (8, 9)
-    assert backend.unavailable_reason(root) == "plans were built on NVIDIA H200 (9.0), not 8.9"
+    gpu_like.capability = (9, 0)
+    assert gpu_like.reason(root) is None
+    gpu_like.capability = (8, 9)
+    assert gpu_like.reason(root) == "plans were built on NVIDIA H200 (9.0), not 8.9"
 
 
 def test_plugin_plans_need_the_plugin_library(tmp_path, gpu_like):
     device = {"name": "NVIDIA H200", "compute_capability": "9.0"}
     root = write_engines(tmp_path / "e", library=manifests.FULL, readout="plugin", device=device)
-    gpu_like["capability"] = (9, 0)
-    assert backend.unavailable_reason(root).startswith("plugin library missing: ")
+    gpu_like.capability = (9, 0)
+    assert gpu_like.reason(root).startswith("plugin library missing: ")
     (root / "libomnijev_plugins.so").write_bytes(b"\x7fELF")
-    assert backend.unavailable_reason(root) is None
+    assert gpu_like.reason(root) is None
 
 
 def test_backend_refuses_to_start_with_the_reason(tmp_path):

@@ -10,8 +10,10 @@ a CUDA graph captured around `execute_async_v3`; where capture fails it runs by 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -90,8 +92,13 @@ def plan_validity(trt, path: Path) -> str | None:
     return None
 
 
-def unavailable_reason(engines_dir: Path) -> str | None:
-    """Why the plans of `engines_dir` cannot run here, or None when they can."""
+def unavailable_reason(
+    engines_dir: Path,
+    import_library: Callable[[str], ModuleType | None] = manifests.import_library,
+    validity: Callable[[ModuleType, Path], str | None] = plan_validity,
+) -> str | None:
+    """Why the plans of `engines_dir` cannot run here, or None when they can. `import_library`
+    finds the manifest's library; `validity` is that library's verdict on a plan."""
     engines_dir = Path(engines_dir)
     manifest = manifests.read_manifest(engines_dir)
     if manifest is None:
@@ -103,7 +110,7 @@ def unavailable_reason(engines_dir: Path) -> str | None:
         if not (engines_dir / entry["plan"]).is_file():
             return f"plan for {graph} missing: {entry['plan']}"
     library = plans["library"]
-    trt = manifests.import_library(library)
+    trt = import_library(library)
     if trt is None:
         return f"plans need {library}, which is not importable"
     if trt.__version__ != plans["version"]:
@@ -123,7 +130,7 @@ def unavailable_reason(engines_dir: Path) -> str | None:
         if not plugin.is_file():
             return f"plugin library missing: {plugin}"
     first = next(iter(plans["graphs"].values()))
-    return plan_validity(trt, engines_dir / first["plan"])
+    return validity(trt, engines_dir / first["plan"])
 
 
 # -- the backend ------------------------------------------------------------------------------
