@@ -127,9 +127,8 @@ SCRATCH_BYTES = 16 * 1024 * 1024
 # decodes them on DECODE_THREADS threads (the bench still has 26 Sub rows among 900). An image
 # filtered by Up, Avg and Paeth alone stays one piece.
 FILTER_NS_PER_BYTE = np.array([0.06, 0.31, 0.07, 0.69, 2.4])
-# the bench still's decode on the H200's host (16 cores): 3.9 / 2.8 / 2.4 / 3.1 / 3.2 ms on
-# 1 / 2 / 4 / 8 / 16 threads; the 2-core CI machine: 2.6 / 1.6 / 2.1 ms on 1 / 2 / 4
-# (scripts/host_probe.py, docs/measurements/h200-2026-12-02f)
+# more threads than four decoded the bench still no faster on a 16-core host, and two were the
+# best on the 2-core CI machine (docs/performance.md)
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))
 PIECE_MIN_NS = 250_000  # a thread hop costs ~20-50 µs: no piece is made for less than this
 

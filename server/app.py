@@ -76,15 +76,13 @@ SMALL_PARSERS = 2  # threads parsing the small bodies, apart from the large ones
 # How long a thread running Python holds the GIL before one that waits gets it (CPython's
 # default is 5 ms): the execution thread launches the GPU's work in short bursts between the
 # preparing and responding threads' Python (tokens, layout, heads), and each wake-up after a
-# replay or a wait can queue this long for the GIL. On the H200's host an execution-like thread
-# (24 graph replays of 1.5 ms, each waited for; 38.0 ms alone) took 385 / 75.4 / 57.7 / 45.4 /
-# 41.4 ms beside three threads of Python bursts at 5 / 1 / 0.5 / 0.2 / 0.1 ms
-# (scripts/host_probe.py, docs/measurements/h200-2026-12-02f); three CPU-bound threads' work
-# took as long at 0.1 ms as at 5 on the CI machine (issue 13's overlap).
+# replay or a wait can queue this long for the GIL. An execution-like thread beside three threads
+# of Python bursts ran 9× slower at 5 ms than at 0.1 ms, and CPU-bound threads' work took as long
+# at 0.1 ms as at 5 (docs/performance.md).
 GIL_SWITCH_S = 0.0001
 # PyTorch's CPU threads in the worker, at most (the heads' products; their bytes do not depend on
-# it, see runtime/__init__.py). The H200's host, 16 cores, heads of 12 questions: 22.0 ms on 16
-# threads, 6.7 on 8, 12.0 on 4 (docs/measurements/h200-2026-12-01c)
+# it, see runtime/__init__.py): on a 16-core host the heads of 12 questions were three times
+# slower on 16 threads than on 8, and slower on 4 (docs/performance.md)
 TORCH_THREADS = 8
 # the Host header must name one of these (a browser page elsewhere cannot reach the worker);
 # OMNIJEV_ALLOWED_HOSTS="a,b" replaces them, "*" allows any (runtime.config.allowed_hosts)

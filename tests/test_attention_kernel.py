@@ -2,7 +2,7 @@
 chunks of the shared keys, and the image prefix's pass by fused attention, against the eager
 grouped attention, and a row's bytes alone, among others and reversed; run by Triton's
 interpreter on the CPU in float32 (Triton is a dev dependency; its interpreter's BF16 dots are
-not exact: scripts/gpu_torch.py checks BF16 on the H200), skipped where Triton is missing."""
+not exact: `python -m bench.gpu parity` checks BF16 on the GPU), skipped where Triton is missing."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ KERNEL_CHECK = textwrap.dedent(
             assert torch.equal(flipped, got[back]), "reversed rows differ"
         else:  # a row alone runs in chunks; several rows in one product: the interpreter's
             # products are NumPy's, whose blocking rounds a row by where it sits (the H200
-            # check is byte for byte: scripts/gpu_torch.py `attention_kernel_check`, 256 rows)
+            # check is byte for byte: the GPU's invariance checks)
             assert torch.allclose(alone, got[:1], rtol=0, atol=1e-5), "a row alone differs"
             assert torch.allclose(flipped, got[back], rtol=0, atol=1e-5), "reversed differ"
     print(worst)

@@ -1,7 +1,7 @@
 """The torch backend's own Gated DeltaNet kernels for short rows and for option rows in blocks
 (runtime.model.gdn_kernels) against the eager chunked core on per-row gathered states; run by
-Triton's interpreter on the CPU (Triton is a dev dependency; scripts/gpu_torch.py checks the
-kernels on the H200 against fla-core on the 4b shapes), skipped where Triton is missing. And
+Triton's interpreter on the CPU (Triton is a dev dependency; on the GPU `python -m bench.gpu
+parity` checks the kernels' answers on the 4b shapes), skipped where Triton is missing. And
 the executor's upload and stage clock."""
 
 from __future__ import annotations
