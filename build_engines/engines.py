@@ -352,6 +352,9 @@ def build_torch_artifacts(
     write_manifest(engine_dir, manifest)
     config = RuntimeConfig.from_env(backend="torch", question_batch=question_rows or QUESTION_ROWS)
     executor = load_engine(str(checkpoint_dir), str(engine_dir), config)
+    torch_backend = executor.backend
+    if not isinstance(torch_backend, compiled.TorchBackend):
+        raise RuntimeError(f"the torch caches need the torch backend, got {torch_backend.name}")
     loaded = time.perf_counter()
     warm_seconds = []  # per warm-up request: what a cold start spends where
     for body in [json_module.dumps(executor.warm_up_request()).encode(), *(warm_up or [])]:
@@ -369,8 +372,8 @@ def build_torch_artifacts(
         "seconds": round(time.perf_counter() - started, 2),
         "load_seconds": round(loaded - started, 2),
         "load_parts": executor.load_seconds,
-        "weights_seconds": round(getattr(executor.backend, "weights_seconds", 0.0), 2),
-        "floor_seconds": round(getattr(executor.backend, "floor_seconds", 0.0), 2),
+        "weights_seconds": round(torch_backend.weights_seconds, 2),
+        "floor_seconds": round(torch_backend.floor_seconds, 2),
         "warm_up_seconds": warm_seconds,
         "hash_seconds": round(time.perf_counter() - hashed, 2),
     }

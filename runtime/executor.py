@@ -268,6 +268,10 @@ class Executor:
         """Waits for the backend's fixed-shape sessions still being built; how many there were."""
         return self.backend.settle()
 
+    def prefix_lookups(self) -> tuple[int, int]:
+        """The image-prefix cache's (hits, misses) so far."""
+        return self.prefix.cache.hits, self.prefix.cache.misses
+
 
 def load_engine(
     checkpoint: str, engines: str, config: RuntimeConfig | str | None = None, **given

@@ -120,6 +120,10 @@ class Engine(Protocol):
         """Waits for work the engine builds in the background; how many builds there were."""
         ...
 
+    def prefix_lookups(self) -> tuple[int, int] | None:
+        """The image-prefix cache's (hits, misses) so far; None for an engine without one."""
+        ...
+
 
 def error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -150,21 +151,21 @@ class PrefixCache:
     """The image-prefix cache's hits and misses (runtime.executor); nothing for an engine
     without one. Replicas that share an image's traffic show it here (server.ray_serve)."""
 
-    def __init__(self, engine: object) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def describe(self) -> list:
         return []
 
     def collect(self) -> list[CounterMetricFamily]:
-        cache = getattr(self.engine, "prefix_cache", None)
-        if cache is None:
+        lookups = self.engine.prefix_lookups()
+        if lookups is None:
             return []
         families = []
-        for outcome in ("hits", "misses"):
+        for outcome, count in zip(("hits", "misses"), lookups, strict=True):
             family = CounterMetricFamily(
                 f"omnijev_prefix_cache_{outcome}", f"image prefixes looked up: {outcome}"
             )
-            family.add_metric([], getattr(cache, outcome))
+            family.add_metric([], count)
             families.append(family)
         return families

@@ -77,6 +77,9 @@ class RealishEngine:
     def settle(self) -> int:
         return 0  # nothing builds in the background
 
+    def prefix_lookups(self) -> None:
+        return None  # no image-prefix cache
+
     def warm_up_request(self) -> dict:
         if self.warm_up_gate is not None and not self.warm_up_gate.wait(HOLD_S):
             raise TimeoutError("warm-up was never released")
