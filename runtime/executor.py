@@ -268,6 +268,12 @@ class Executor:
         """Waits for the backend's fixed-shape sessions still being built; how many there were."""
         return self.backend.settle()
 
+    def shape_builds(self) -> tuple[int, float]:
+        """The pass shapes the backend has built so far (compiled and captured, a session made)
+        and the seconds their builds took."""
+        stats = self.backend.stats()
+        return stats["builds"], stats["build_seconds"]
+
     def prefix_lookups(self) -> tuple[int, int]:
         """The image-prefix cache's (hits, misses) so far."""
         return self.prefix.cache.hits, self.prefix.cache.misses

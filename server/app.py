@@ -124,6 +124,10 @@ class Engine(Protocol):
         """The image-prefix cache's (hits, misses) so far; None for an engine without one."""
         ...
 
+    def shape_builds(self) -> tuple[int, float]:
+        """The pass shapes built so far (compiled, captured, a session made) and their seconds."""
+        ...
+
 
 def error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
@@ -375,6 +379,8 @@ class Worker:
         self.scheduler = scheduler
         self.warm_ups = list(warm_ups)  # the operator's own requests, after the built-in one
         self.state = "warming up"  # then "ready" or "warm-up failed"
+        # the engine's shape builds when it turned ready: the warm-up's; later ones are serving's
+        self.warm_up_builds: tuple[int, float] | None = None
 
     async def warm_up(self) -> None:
         """Run the warm-up request, then the operator's, through prepare and execute; only then
@@ -389,6 +395,7 @@ class Worker:
             log.exception("warm-up failed; the worker will not answer")
             self.state = "warm-up failed"
             return
+        self.warm_up_builds = self.engine.shape_builds()
         self.state = "ready"
         log.info("warm-up done in %.3f s", time.perf_counter() - start)
 
@@ -502,8 +509,8 @@ def create_app(
     `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
     """
     scheduler = Scheduler(admitted, preparing)
-    metrics = Metrics(scheduler, engine)
     worker = Worker(engine, scheduler, warm_ups)
+    metrics = Metrics(scheduler, engine, lambda: worker.warm_up_builds)
     slots = Uploads(uploads)
     draining = asyncio.Event()  # set by ListeningServer when shutdown begins
     if docs is None:

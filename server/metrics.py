@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,7 +67,14 @@ class RequestRecord:
 class Metrics:
     """The worker's metrics in a registry of its own, so that several apps share a process."""
 
-    def __init__(self, scheduler: Scheduler, engine: object = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        engine: Any,
+        warm_up_builds: Callable[[], tuple[int, float] | None] = lambda: None,
+    ) -> None:
+        """`warm_up_builds`: the engine's shape builds when the worker turned ready (None
+        before: every build so far is the warm-up's)."""
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(
@@ -106,6 +114,7 @@ class Metrics:
         ).set_function(memory.rss_bytes)
         registry.register(CudaMemory())
         registry.register(PrefixCache(engine))
+        registry.register(ShapeBuilds(engine, warm_up_builds))
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -169,3 +178,30 @@ class PrefixCache:
             family.add_metric([], count)
             families.append(family)
         return families
+
+
+class ShapeBuilds:
+    """Pass shapes the engine built (compiled and captured, a session made) and the seconds they
+    took, by phase: "warm-up" until the worker turned ready, "serving" after, where a request
+    waited on each (issue 37's acceptance: none after ready)."""
+
+    def __init__(self, engine: Any, warm_up: Callable[[], tuple[int, float] | None]) -> None:
+        self.engine = engine
+        self.warm_up = warm_up
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list[CounterMetricFamily]:
+        count, seconds = self.engine.shape_builds()
+        warm = self.warm_up() or (count, seconds)
+        builds = CounterMetricFamily(
+            "omnijev_shape_builds", "pass shapes built, by phase", labels=["phase"]
+        )
+        spent = CounterMetricFamily(
+            "omnijev_shape_build_seconds", "seconds spent building pass shapes", labels=["phase"]
+        )
+        for family, total, warmed in ((builds, count, warm[0]), (spent, seconds, warm[1])):
+            family.add_metric(["warm-up"], warmed)
+            family.add_metric(["serving"], total - warmed)
+        return [builds, spent]

@@ -80,6 +80,9 @@ class RealishEngine:
     def prefix_lookups(self) -> None:
         return None  # no image-prefix cache
 
+    def shape_builds(self) -> tuple[int, float]:
+        return 0, 0.0  # no pass shapes to build
+
     def warm_up_request(self) -> dict:
         if self.warm_up_gate is not None and not self.warm_up_gate.wait(HOLD_S):
             raise TimeoutError("warm-up was never released")

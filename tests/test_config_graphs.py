@@ -4,12 +4,13 @@ shared static-buffer helper of the backends (runtime.backends.graphs) on the CPU
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 import torch
 
 from runtime import config as settings
-from runtime.backends.graphs import GraphSlots, Slot, like, signature
+from runtime.backends.graphs import GraphSlots, Slot, builds_of, like, signature
 from runtime.config import RuntimeConfig
 
 
@@ -92,10 +93,43 @@ def test_slots_bind_once_per_signature_and_copy_in_and_out():
             slots.run(signature("g", {"x": x}), {"x": x}, {"y": y})
             assert torch.equal(y, 2 * x)
     assert len(bound) == 2  # one slot per shape; the CPU never captures
-    assert slots.stats() == {"slots": 2, "captured": 0, "replays": 0, "eager": 6}
+    stats = slots.stats()
+    assert stats.pop("build_seconds") > 0
+    assert stats == {"slots": 2, "captured": 0, "replays": 0, "eager": 6, "builds": 2}
     x = torch.ones(5, 4)
     slots.run(signature("g", {"x": x}), {"x": x}, {"y": torch.empty_like(x)})
     assert len(slots.slots) == 2 and len(bound) == 3  # the least recently used went
+
+
+def test_a_shape_is_counted_as_built_once_with_the_seconds_of_its_build():
+    """On the CPU a slot is built by its binding and first launch: later runs of its shape add
+    neither a build nor seconds; a new shape, or one evicted and seen again, is a build."""
+    slots, bound = doubling_slots(size=1)
+    slow_bind = slots.bind
+
+    def bind(key, feeds, outputs):
+        time.sleep(0.05)  # as a compilation would
+        return slow_bind(key, feeds, outputs)
+
+    slots.bind = bind
+    small, large = torch.ones(2, 4), torch.ones(3, 4)
+
+    def run(x):
+        slots.run(signature("g", {"x": x}), {"x": x}, {"y": torch.empty_like(x)})
+
+    run(small)
+    assert slots.builds == 1 and 0.05 <= slots.build_seconds < 1
+    built = slots.build_seconds
+    run(small)
+    assert (slots.builds, slots.build_seconds) == (1, built)
+    run(large)  # evicts the small shape's slot (size 1)
+    run(small)
+    assert slots.builds == 3 and slots.build_seconds >= built + 0.1
+    slots.install(("g", "made"), Slot({}, {}), seconds=1.5)  # a session built elsewhere
+    assert slots.build_seconds >= built + 1.6 and slots.stats()["builds"] == 3
+    unused = doubling_slots(size=1)[0]
+    assert builds_of([slots, unused]) == {"builds": 3, "build_seconds": slots.build_seconds}
+    assert len(bound) == 3
 
 
 def test_dropped_graphs_leave_the_slots_and_their_buffers():

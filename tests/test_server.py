@@ -550,6 +550,45 @@ def test_the_real_executor_end_to_end(tmp_path_factory: pytest.TempPathFactory) 
     assert refused.json() == {"detail": "requested model is not loaded"}
 
 
+def test_shape_builds_after_ready_are_counted_as_serving(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """ONNX Runtime with a session per pass shape (its dimensions fixed; the CUDA default, here
+    on the CPU): the warm-up's builds are counted as such, and a request of an image size the
+    warm-up never ran builds while serving, with its seconds. (The CPU's other engines build
+    nothing per shape: the torch engine runs eagerly there, ONNX Runtime in one dynamic session.)
+    """
+    executor = pytest.importorskip("runtime.executor")
+    pytest.importorskip("build_engines.onnx_export")
+    from reference.questions import data_url, pattern_png
+    from runtime.backends.ort import OrtBackend
+    from tests.engine_fixtures import tiny_engines
+
+    export, engines = tiny_engines(tmp_path_factory)
+    backend = OrtBackend(engines, static_shapes=True)
+    engine = executor.load_engine(str(export), str(engines), "onnxruntime", backend=backend)
+    builds, seconds = "omnijev_shape_builds_total", "omnijev_shape_build_seconds_total"
+    with ThreadServer(engine) as server:
+        wait_ready(server.url)
+        ready = metrics(server.url)
+        assert ready[f"{builds}{{phase=warm-up}}"] > 0 and ready[f"{seconds}{{phase=warm-up}}"] > 0
+        assert ready[f"{builds}{{phase=serving}}"] == ready[f"{seconds}{{phase=serving}}"] == 0
+        again = post(server.url, engine.warm_up_request())  # the warm-up's shapes: none new
+        assert again.status_code == 200, again.text
+        assert metrics(server.url)[f"{builds}{{phase=serving}}"] == 0
+        other = decision(image=data_url(pattern_png(96, 64)))
+
+        def built_while_serving() -> bool:
+            # a new shape's session builds in the background, installed at a later sight
+            assert post(server.url, other).status_code == 200
+            return metrics(server.url)[f"{builds}{{phase=serving}}"] >= 1
+
+        until(built_while_serving, "a build while serving")
+        after = metrics(server.url)
+    assert after[f"{seconds}{{phase=serving}}"] > 0
+    assert after[f"{builds}{{phase=warm-up}}"] == ready[f"{builds}{{phase=warm-up}}"]
+
+
 def test_threads_are_not_leaked_by_stopped_servers() -> None:
     before = threading.active_count()
     with ThreadServer(RealishEngine()) as server:

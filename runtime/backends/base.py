@@ -90,7 +90,9 @@ class Backend(Protocol):
         ...
 
     def stats(self) -> dict:
-        """Counters for metrics and benchmarks (slots, captures, replays...)."""
+        """Counters for metrics and benchmarks (slots, captures, replays...), among them
+        `builds`, the pass shapes built so far, and `build_seconds`, the seconds their builds
+        took (`runtime.backends.graphs.builds_of`)."""
         ...
 
 

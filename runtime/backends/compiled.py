@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.backends.base import Capabilities
-from runtime.backends.graphs import GraphSlots, Slot, checked_feeds, signature
+from runtime.backends.graphs import GraphSlots, Slot, builds_of, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
 from runtime.constants import (
     DTYPES,
@@ -568,7 +568,9 @@ class TorchBackend:
 
     def stats(self) -> dict:
         lanes = {f"{JOINT_GRAPH}@{k + 1}": s.stats() for k, s in enumerate(self.lane_slots)}
-        return {**{graph: slots.stats() for graph, slots in self.slots.items()}, **lanes}
+        every = [*self.slots.values(), *self.lane_slots]
+        graphs = {graph: slots.stats() for graph, slots in self.slots.items()}
+        return {**graphs, **lanes, **builds_of(every)}
 
     # -- passes -----------------------------------------------------------------------------
 

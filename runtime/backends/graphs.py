@@ -9,7 +9,8 @@ feeds are copied in and outputs copied out.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ class Slot:
     graph: torch.cuda.CUDAGraph | None = None
     launches: int = 0
     capturable: bool = True
+    built: bool = False  # bound, run and (where it captures) captured: it only replays now
     meta: dict = field(default_factory=dict)
 
 
@@ -75,7 +77,11 @@ class GraphSlots:
     and outputs); `launch(slot)` runs the work on the current stream reading `slot.inputs`,
     writing `slot.outputs` (returning False when it could not be enqueued). With `capture`, the
     launch after `warm_launches` eager ones is captured and every later run replays it; a launch
-    that cannot be captured keeps running eagerly."""
+    that cannot be captured keeps running eagerly.
+
+    A slot's build is its binding and every run until it is built (its capture, or its first
+    launch where it does not capture): `builds` counts the slots built, `build_seconds` the
+    host's seconds spent building (compilation, capture, a session's first run)."""
 
     def __init__(
         self,
@@ -93,12 +99,14 @@ class GraphSlots:
         self.warm_launches = warm_launches
         self.stream = stream
         self.slots: LRU[Signature, Slot] = LRU(size)
-        self.captured = self.replays = self.eager = 0
+        self.captured = self.replays = self.eager = self.builds = 0
+        self.build_seconds = 0.0
 
     def run(
         self, key: Signature, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]
     ) -> Slot:
         """Runs one pass: feeds copied into the slot, replay or launch, outputs copied out."""
+        started = time.perf_counter()
         slot = self.slots.get(key)
         if slot is None:
             slot = self.install(key, self.bind(key, feeds, outputs))
@@ -118,10 +126,21 @@ class GraphSlots:
             self.eager += 1
         for name, out in outputs.items():
             out.copy_(slot.outputs[name], non_blocking=True)
+        if not slot.built:
+            self._building(slot, time.perf_counter() - started)
         return slot
 
-    def install(self, key: Signature, slot: Slot) -> Slot:
-        """Keeps a slot a backend made itself (a session built in the background, say)."""
+    def _building(self, slot: Slot, seconds: float) -> None:
+        """Counts a run of a slot not yet built, and the slot once this run built it."""
+        self.build_seconds += seconds
+        if slot.graph is not None or not (self.capture and slot.capturable):
+            slot.built = True
+            self.builds += 1
+
+    def install(self, key: Signature, slot: Slot, seconds: float = 0.0) -> Slot:
+        """Keeps a slot a backend made itself (a session built in the background, say);
+        `seconds`: what making it took, counted in `build_seconds`."""
+        self.build_seconds += seconds
         return self.slots.put(key, slot)
 
     def get(self, key: Signature) -> Slot | None:
@@ -151,12 +170,22 @@ class GraphSlots:
         """Forgets every captured graph (their buffers stay): each slot runs eagerly again,
         then is captured anew, with whatever its launch does by then."""
         for slot in self.slots.values():
-            slot.graph, slot.launches = None, 0
+            slot.graph, slot.launches, slot.built = None, 0, False
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {
             "slots": len(self.slots),
             "captured": self.captured,
             "replays": self.replays,
             "eager": self.eager,
+            **builds_of([self]),
         }
+
+
+def builds_of(slots: Iterable[GraphSlots]) -> dict[str, int | float]:
+    """The `builds` and `build_seconds` of these slots together (a backend's `stats`)."""
+    slots = list(slots)
+    return {
+        "builds": sum(s.builds for s in slots),
+        "build_seconds": sum(s.build_seconds for s in slots),
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -384,12 +385,12 @@ class OrtBackend(Portable):
     def _install(self, key: tuple) -> Slot | None:
         build, feeds, outputs = self._builds.pop(key)
         try:
-            session = build.result()
+            session, seconds = build.result()
         except Exception as error:  # the dynamic session keeps answering this signature
             log.warning("%s: no fixed-shape session: %s", key[0], error)
             self._failed.add(key)
             return None
-        return self._new_slot(key, session, feeds, outputs)
+        return self._new_slot(key, session, feeds, outputs, seconds)
 
     def settle(self) -> int:
         """Waits for the fixed-shape sessions being built and installs them; how many."""
@@ -399,9 +400,12 @@ class OrtBackend(Portable):
             self._install(key)
         return len(pending)
 
-    def _static_session(self, graph: str, shapes: dict[str, tuple]) -> ort.InferenceSession:
-        """A session whose named dimensions are fixed to these inputs' sizes (builder thread:
-        ONNX Runtime releases the GIL while it builds)."""
+    def _static_session(
+        self, graph: str, shapes: dict[str, tuple]
+    ) -> tuple[ort.InferenceSession, float]:
+        """A session whose named dimensions are fixed to these inputs' sizes, and the seconds
+        its build took (builder thread: ONNX Runtime releases the GIL while it builds)."""
+        started = time.perf_counter()
         fixed = {}
         for spec in self.sessions[graph].get_inputs():
             if spec.name not in shapes:
@@ -412,22 +416,25 @@ class OrtBackend(Portable):
         session, graphs = self._session(self._paths[graph], self._cuda_graphs, fixed)
         log.info("%s: static session %s, cuda graphs %s", graph, fixed, graphs)
         self.static_graphs_on[graph] = self.static_graphs_on.get(graph, True) and graphs
-        return session
+        return session, time.perf_counter() - started
 
     def _dynamic_slot(self, key: tuple, feeds: dict, outputs: dict) -> Slot:
         """The dynamic session's CUDA-graph slot for a signature, apart from the fixed-shape
         slot the same signature may get."""
         return self._new_slot(key, self.sessions[key[0]], like(feeds), like(outputs))
 
-    def _new_slot(self, key: tuple, session: ort.InferenceSession, feeds, outputs) -> Slot:
-        """Persistent buffers bound to `session` under a graph id of their own."""
+    def _new_slot(
+        self, key: tuple, session: ort.InferenceSession, feeds, outputs, seconds: float = 0.0
+    ) -> Slot:
+        """Persistent buffers bound to `session` under a graph id of their own (`seconds`: the
+        session's build, where it was built for this signature)."""
         binding = io_binding(session, feeds, outputs)
         options = ort.RunOptions()
         self._graph_ids += 1  # 0 is ORT's default id; never reused after an eviction
         options.add_run_config_entry("gpu_graph_id", str(self._graph_ids))
         slot = Slot(feeds, outputs, state=Bound(session, binding, options, self._graph_ids))
         slot.meta["fixed"] = key[1][0] != "dynamic"
-        return self.slots.install(key, slot)
+        return self.slots.install(key, slot, seconds)
 
     def _launch(self, slot: Slot) -> None:
         if self.device.type == "cuda":

@@ -19,7 +19,7 @@ import torch
 
 from runtime import manifest as manifests
 from runtime.backends.base import Portable
-from runtime.backends.graphs import GraphSlots, Slot
+from runtime.backends.graphs import GraphSlots, Slot, builds_of
 from runtime.config import RuntimeConfig
 from runtime.constants import DTYPES
 
@@ -254,7 +254,8 @@ class TensorRTBackend(Portable):
         return 0
 
     def stats(self) -> dict:
-        return {graph: plan.slots.stats() for graph, plan in self.plans.items()}
+        graphs = {graph: plan.slots.stats() for graph, plan in self.plans.items()}
+        return {**graphs, **builds_of(plan.slots for plan in self.plans.values())}
 
     # -- internals -------------------------------------------------------------------------------
 
