@@ -230,17 +230,15 @@ def test_the_kernels_are_custom_ops_with_fakes():
 
 
 def test_pass_integers_travel_in_one_copy_as_views_of_their_arrays():
-    from runtime.executor import Executor
+    from runtime.run_passes import upload_ints
 
-    holder = Executor.__new__(Executor)
-    holder.device = torch.device("cpu")
     arrays = {
         "input_ids": np.arange(12, dtype=np.int64).reshape(3, 4),
         "positions": np.arange(36, dtype=np.int64).reshape(3, 3, 4) * 7,
         "lengths": np.array([4, 2, 1], dtype=np.int64),
         "read_rows": np.array([3], dtype=np.int64),
     }
-    views = holder.upload_ints(arrays)
+    views = upload_ints(arrays, torch.device("cpu"))
     assert list(views) == list(arrays)
     base = views["input_ids"].untyped_storage().data_ptr()
     for name, array in arrays.items():
@@ -250,7 +248,7 @@ def test_pass_integers_travel_in_one_copy_as_views_of_their_arrays():
 
 
 def test_stage_clock_adds_interleaved_laps_and_waits_when_asked():
-    from runtime.executor import Stopwatch
+    from runtime.run_passes import Stopwatch
 
     waits = []
     stages = {"vision": 9.0, "prepare": 1.0}
