@@ -86,7 +86,10 @@ def test_host_profile_times_every_stage_and_keeps_every_run():
     assert all(len(runs[stage]) == 3 for stage in (*hoststages.STAGES, hoststages.HOST_TOTAL))
     median = statistics.median(runs[hoststages.HOST_TOTAL])  # of three runs, rounded to 1 µs
     assert abs(row[hoststages.HOST_TOTAL] - median) < 1e-3
-    assert 0 < row["prepare"] < row[hoststages.HOST_TOTAL] < 10_000
+    # the stages and the total are timed in separate passes of the request, so a busy machine
+    # may order them either way: each is a real, bounded time (a short stage may round to 0)
+    assert all(0 <= t < 10_000 for stage in runs for t in runs[stage])
+    assert min(runs["prepare"]) > 0 and min(runs[hoststages.HOST_TOTAL]) > 0
     assert "| host total |" in hoststages.table({"PNG": row})
 
 
