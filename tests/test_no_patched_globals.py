@@ -109,30 +109,8 @@ def test_no_test_patches_a_runtime_global():
     assert not found, "runtime globals patched (configure through parameters):\n" + "\n".join(found)
 
 
-BREAKS_EVERY_RULE = """
-import runtime.images as images
-import runtime.pools
-from runtime import strict_json
-from runtime.backends import compiled
-from runtime.heads import DeviceMLPs
-from unittest import mock
-
-def test_x(monkeypatch):
-    monkeypatch.setattr(strict_json, "SCAN_CHUNK", 7)
-    monkeypatch.setattr(images.Image, "open", None)
-    monkeypatch.setattr(DeviceMLPs, "run", None)
-    monkeypatch.setattr("runtime.images.DECODE_THREADS", 2)
-    setattr(compiled, "BLOCKS", 3)
-    images.PIECE_MIN_NS = 1
-    runtime.pools._pools["png"] = None
-    DeviceMLPs.behind, other = None, 1
-    compiled.BLOCKS += 1
-    del strict_json.SCAN_CHUNK
-    with mock.patch("runtime.heads.DEVICE_ROWS", 4):
-        pass
-    with mock.patch.object(compiled, "BLOCKS", 2):
-        pass
-"""
+# a test module breaking every rule once, kept as text outside tests/*.py so that it is not code
+BREAKS_EVERY_RULE = (TESTS / "fixtures" / "patches" / "breaks_every_rule.txt").read_text("utf-8")
 
 KEEPS_EVERY_RULE = """
 import torch
