@@ -117,20 +117,12 @@ def build_checkpoint(m: Machine) -> float:
 def build_engines(m: Machine, dtype: str | None = None, name: str = "", caches: bool = True):
     """An engine directory for the torch backend (no ONNX files), its compiler caches filled
     on a GPU; the caches' record, or None."""
-    from build_engines.engines import (
-        FORMAT,
-        MANIFEST,
-        build_torch_artifacts,
-        checkpoint_record,
-        write_manifest,
-    )
+    from build_engines.engines import MANIFEST, build_torch_artifacts, torch_engine_dir
 
     folder = m.engines(dtype, name)
-    folder.mkdir(parents=True, exist_ok=True)
     manifest = folder / MANIFEST
     if not manifest.exists():
-        record = {"format": FORMAT, "dtype": dtype or m.dtype}
-        write_manifest(folder, {**record, "checkpoint": checkpoint_record(m.checkpoint)})
+        torch_engine_dir(m.checkpoint, folder, dtype or m.dtype)
     if not caches or m.device != "cuda" or "torch" in json.loads(manifest.read_text()):
         return None
     return build_torch_artifacts(m.checkpoint, folder, dtype or m.dtype, warm_bodies(m))

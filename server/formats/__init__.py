@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.finish import round4 as rounded  # every number rounded as the native answers are
+
 NATIVE_PATH = "/v1/systemone"  # docs/contract.md §1.3
-DIGITS = 4  # every number is rounded as the native answers are (docs/contract.md §7.6)
 
 
 class FormatError(ValueError):
@@ -59,10 +60,6 @@ def detail_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 NATIVE = Wire(NATIVE_PATH, Translation, detail_body)
-
-
-def rounded(value: float) -> float:
-    return round(value, DIGITS)
 
 
 def normalised(probabilities: Sequence[float]) -> list[float]:
