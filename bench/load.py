@@ -158,7 +158,10 @@ def suite_bodies(args: argparse.Namespace, count: int, stream: str) -> tuple[lis
         return [bench_body(name)] * count, [{"workload": name}] * count
     size = tuple(int(x) for x in args.image_size.lower().split("x")) if args.image_size else None
     fmt = args.format.upper() if args.format else None
-    made = [traffic.request(args.seed, i, stream, args.questions, size, fmt) for i in range(count)]
+    made = [
+        traffic.request(args.seed, i, stream, args.questions, size, fmt, args.images)
+        for i in range(count)
+    ]
     described = [
         {"size": list(r.size), "format": r.format, "questions": r.questions, "rows": r.options}
         for r in made
@@ -194,6 +197,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--questions", type=int, default=None, help="questions a request")
     parser.add_argument("--image-size", default=None, metavar="WxH", help="traffic: one size")
     parser.add_argument("--format", choices=("png", "jpeg"), default=None, help="traffic")
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=None,
+        metavar="K",
+        help="traffic: requests about K screenshots in turn (default: each its own)",
+    )
     parser.add_argument(
         "--warm-up", type=int, default=0, help="requests of the warm-up stream first, not counted"
     )

@@ -33,7 +33,8 @@ SIZES = (
 FORMATS = ("PNG", "JPEG")
 MIMES = {"PNG": "image/png", "JPEG": "image/jpeg"}
 MAX_QUESTIONS = 16
-STREAMS = {"suite": 0, "held-out": 1, "warm-up": 2}  # independent streams of one seed
+# independent streams of one seed; "<stream> images": the screenshots of `request(images=K)`
+STREAMS = {"suite": 0, "held-out": 1, "warm-up": 2, "suite images": 3, "held-out images": 4}
 # option counts of a Choice: mostly a handful, sometimes dozens, now and then up to the limit;
 # at most one question of a request above LARGE_CHOICE (the contract's 1,024 rows in all)
 CHOICE_SPANS = (((2, 6), 0.7), ((7, 32), 0.2), ((33, 128), 0.07), ((129, 255), 0.03))
@@ -277,14 +278,21 @@ def request(
     questions: int | None = None,
     size: tuple[int, int] | None = None,
     fmt: str | None = None,
+    images: int | None = None,
 ) -> TrafficRequest:
-    """Request `index` of a seed's stream; `questions`, `size` and `fmt` fix what they name."""
+    """Request `index` of a seed's stream; `questions`, `size` and `fmt` fix what they name;
+    with `images`, the requests ask about that many screenshots in turn (request i about
+    screenshot i mod `images`), as clients that ask several sets of questions about one screen."""
     rng = rng_for(seed, stream, index)
-    size = size or size_of(seed, stream, index)
-    fmt = fmt or FORMATS[int(rng.integers(0, len(FORMATS)))]
+    shown = index % images if images else index
+    # with `images`, a screenshot's draws come from a stream of their own, the same for every
+    # request about it; without, the request's draws are as they always were
+    image_rng = rng_for(seed, f"{stream} images", shown) if images else rng
+    size = size or size_of(seed, stream, shown)
+    fmt = fmt or FORMATS[int(image_rng.integers(0, len(FORMATS)))]
     count = questions or int(rng.integers(1, MAX_QUESTIONS + 1))
-    label = f"{stream} {seed}.{index}"
-    image = encode(screenshot(*size, rng, label), fmt)
+    label = f"{stream} {seed}.{shown}"
+    image = encode(screenshot(*size, image_rng, label), fmt)
     chosen = questions_for(rng, count, size)
     rows = sum(answer_rows(q) for q in chosen.values())
     return TrafficRequest(index, size, fmt, count, rows, body(image, MIMES[fmt], chosen))

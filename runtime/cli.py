@@ -116,6 +116,15 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--no-docs", action="store_true", help="no /docs, /redoc or /openapi.json"
         )
+        parser.add_argument(
+            "--batch-wait-ms",
+            type=float,
+            default=0.0,
+            metavar="MS",
+            help="how long a request that reaches the model alone waits for others to share "
+            "its passes (default 0: requests already waiting are batched, one client is never "
+            "slowed)",
+        )
         replicas = parser.add_argument_group(
             "replicas on Ray Serve (docs/ray-serve.md; without --replicas, one process)"
         )

@@ -13,15 +13,17 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
 from runtime.backends import Backend, choose_backend
+from runtime.batch import batch_size, merged, split
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MODEL_ID
-from runtime.image_prefix import ImagePrefix
+from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.passes import Plan, early_heads_fit, finished_by_joint, plan
 from runtime.readouts import HostReadouts, Landing, mlps_behind
@@ -33,7 +35,8 @@ log = logging.getLogger("omnijev.executor")
 
 
 class Executor:
-    """Holds the loaded model (export + engines) and answers requests.
+    """Holds the loaded model (export + engines) and answers requests, alone or several about
+    one image prefix at once (`readouts_batch`).
 
     `backend` is an engine already loaded (else `choose_backend` loads one by `config`);
     `choices` how requests run on it (else those its capabilities give: `Choices.of`)."""
@@ -126,7 +129,7 @@ class Executor:
         pending = start_image_of(image, host, host, allocate)
         try:
             request = compile_request(obj, image)
-            return prepare(
+            prepared = prepare(
                 request,
                 self.tokenizer,
                 pack=host,
@@ -135,6 +138,8 @@ class Executor:
                 allocate=allocate,
                 pending=pending,
             )
+            key = prefix_key(prepared.image, self.work_of(prepared).prefix)
+            return replace(prepared, image_key=key)
         finally:
             # a raised error's traceback holds this frame, and the future holds a refused
             # image's error: the cycle would keep the request's bytes until a collection
@@ -158,6 +163,19 @@ class Executor:
         self.stages["heads"] = time.perf_counter() - heads_started
         return response
 
+    def batch_key(self, prepared: Prepared) -> tuple[str | None, float]:
+        """(key, share): the requests of one key run their passes as one batch
+        (`readouts_batch`), those about one image prefix; a request's share of a batch
+        (`runtime.batch.batch_size`)."""
+        return prepared.image_key, batch_size(prepared)
+
+    def readouts_batch(self, batch: list[Prepared]) -> list[list[QuestionReadout]]:
+        """The readouts of each request of `batch`, of one `batch_key`: their questions in the
+        passes of one request (`runtime.batch.merged`), the same bytes as each alone."""
+        if len(batch) == 1:
+            return [self.readouts(batch[0])]
+        return split(self.readouts(merged(batch)), batch)
+
     def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
         """Hidden states and log-probabilities of every question, through the engines. Every
         pass is enqueued before any readout comes back to the host (one wait, at the end),
@@ -174,7 +192,7 @@ class Executor:
             return early and k < last
 
         with torch.inference_mode():
-            states = self.prefix.states(prepared.image, work.prefix, clock)
+            states = self.prefix.states(prepared.image, work.prefix, clock, prepared.image_key)
             ran = self.runner.run_plan(work, *states, self.choices.lanes, land, clock)
             taken = HostReadouts()
             made = self.early_answers(prepared, work, landings, taken) if early else {}

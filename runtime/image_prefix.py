@@ -39,10 +39,15 @@ class ImagePrefix:
         self.cache: LRU[str, tuple[State, State]] = LRU(cached)
         self.tables: LRU[tuple, dict[str, torch.Tensor]] = LRU(VISION_TABLES)
 
-    def states(self, image: PreparedImage, rows: Pass, clock: Stopwatch) -> tuple[State, State]:
+    def states(
+        self, image: PreparedImage, rows: Pass, clock: Stopwatch, key: str | None = None
+    ) -> tuple[State, State]:
         """(prefix, after prefix) states of an image and its prefix's pass: from the prefix
-        cache, else the vision tower and the prefix pass enqueued (laps "vision", "prefix")."""
-        key = prefix_key(image, rows) if self.cache.size > 0 else None
+        cache, else the vision tower and the prefix pass enqueued (laps "vision", "prefix").
+        `key`: their `prefix_key` where the preparation made it."""
+        if self.cache.size > 0 and key is None:
+            key = prefix_key(image, rows)
+        key = key if self.cache.size > 0 else None
         cached = self.cache.get(key) if key is not None else None
         if cached is not None:
             clock.lap("vision")

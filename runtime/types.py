@@ -103,6 +103,9 @@ class Prepared:
     prepare_seconds: float = 0.0
     # (pass shape, runtime.passes.Plan) made while preparing, off the execution thread
     planned: tuple | None = field(default=None, compare=False, repr=False)
+    # everything the image prefix depends on (runtime.image_prefix.prefix_key), made while
+    # preparing: the prefix cache's key, and which requests may share one image prefix
+    image_key: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def questions(self) -> tuple[Question, ...]:

@@ -99,9 +99,12 @@ class Engine(Protocol):
 
     model_id: str
     # whether `execute` is split in two (runtime.executor.Executor's is):
-    # `readouts(prepared)`, the model's passes, which hold the execution thread, and
-    # `respond(prepared, readouts, seconds)`, heads and finishing (`seconds`: the passes' time),
-    # which the worker runs beside the next request's passes (`Worker.execute`)
+    # `readouts_batch(batch)`, the model's passes of several prepared requests at once (a list
+    # of readouts, one per request), which hold the execution thread; `batch_key(prepared)`,
+    # the key of the requests it may run as one batch (None: alone) and the request's share of
+    # a batch (runtime.executor.Executor.batch_key); and `respond(prepared, readouts, seconds)`,
+    # heads and finishing (`seconds`: the passes' time), which the worker runs beside the next
+    # batch's passes (`Worker.execute`)
     splits: bool
 
     def prepare(self, obj: dict) -> Prepared:
@@ -454,13 +457,16 @@ class Worker:
         if not self.engine.splits:
             response = await self.scheduler.execute(ticket, self.engine.execute, prepared)
             return encode(answer(response))
-        passes = await self.scheduler.execute(ticket, self._readouts, prepared)
+        key, size = self.engine.batch_key(prepared)  # type: ignore[attr-defined]
+        passes = await self.scheduler.execute_batched(ticket, self._readouts, prepared, key, size)
         return await self.scheduler.respond(ticket, self._respond, (prepared, *passes, answer))
 
-    def _readouts(self, prepared: Prepared) -> tuple[Any, float]:
+    def _readouts(self, batch: list[Prepared]) -> list[tuple[Any, float]]:
+        """Each request's readouts and the seconds its batch's passes took."""
         started = time.perf_counter()
-        readouts = self.engine.readouts(prepared)  # type: ignore[attr-defined]
-        return readouts, time.perf_counter() - started
+        made = self.engine.readouts_batch(batch)  # type: ignore[attr-defined]
+        seconds = time.perf_counter() - started
+        return [(readouts, seconds) for readouts in made]
 
     def _respond(self, work: tuple[Prepared, Any, float, Callable[[dict], dict]]) -> bytes:
         prepared, readouts, seconds, answer = work
@@ -494,6 +500,7 @@ def create_app(
     body_read_s: float = BODY_READ_S,
     allowed_hosts: Sequence[str] | None = None,
     docs: bool | None = None,
+    batch_wait_s: float = 0.0,
 ) -> FastAPI:
     """The worker's app. It listens at once and warms up in a background thread at startup;
     `warm_ups` are parsed request bodies run after the built-in warm-up request.
@@ -501,14 +508,16 @@ def create_app(
     Large bodies are read and parsed `uploads` at a time (503 busy after `upload_wait_s` in
     line), every body within `body_read_s` (408 after). `allowed_hosts` (default:
     OMNIJEV_ALLOWED_HOSTS, else the local names) bounds the Host header; `docs` false
-    (default: OMNIJEV_DOCS != "0") removes /docs, /redoc and /openapi.json.
+    (default: OMNIJEV_DOCS != "0") removes /docs, /redoc and /openapi.json. `batch_wait_s`:
+    how long a request that reaches the execution thread alone waits for others to batch with
+    (server.admission.Scheduler).
 
     Until the warm-up request has run through engine.prepare and engine.execute, `GET /health`
     answers 503 `{"status": "warming up"}` and `POST /v1/systemone` answers 503
     `{"detail": "the worker is warming up"}` with `Retry-After: 1`; then `/health` answers 200
     `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
     """
-    scheduler = Scheduler(admitted, preparing)
+    scheduler = Scheduler(admitted, preparing, batch_wait_s=batch_wait_s)
     worker = Worker(engine, scheduler, warm_ups)
     metrics = Metrics(scheduler, engine, lambda: worker.warm_up_builds)
     slots = Uploads(uploads)
@@ -737,6 +746,7 @@ def cli_serve(args: Any, load: Callable[..., Engine] | None = None) -> int:
         warm_ups=warm_ups,
         allowed_hosts=args.allowed_host or None,
         docs=False if args.no_docs else None,
+        batch_wait_s=args.batch_wait_ms / 1000,
     )
     serve(app, args.host, args.port, sock)
     return 0

@@ -21,7 +21,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from server import memory
 from server.admission import Scheduler
@@ -33,6 +33,7 @@ STAGES = ("prepare", "queue_wait", "execute", "total")
 # seconds; one question takes ~0.16 s and a 16-deep queue of 255-option requests minutes
 # (docs/anchors.md §2, docs/contract.md §1.6)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+BATCH_BUCKETS = (1, 2, 4, 8, 16)  # requests a batch: at most the 16 admitted
 QUIET_PATHS = ("/health", "/metrics")  # probes: logged at debug level only
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -114,6 +115,7 @@ class Metrics:
         ).set_function(memory.rss_bytes)
         registry.register(CudaMemory())
         registry.register(PrefixCache(engine))
+        registry.register(Batches(scheduler))
         registry.register(ShapeBuilds(engine, warm_up_builds))
 
     def render(self) -> bytes:
@@ -178,6 +180,29 @@ class PrefixCache:
             family.add_metric([], count)
             families.append(family)
         return families
+
+
+class Batches:
+    """The executed batches by their number of requests (server.admission.Scheduler), as a
+    histogram: how far more clients filled the passes."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        sizes = dict(self.scheduler.batches)
+        buckets = [(str(edge), sum(n for size, n in sizes.items() if size <= edge))
+                   for edge in BATCH_BUCKETS]  # fmt: skip
+        buckets.append(("+Inf", sum(sizes.values())))
+        total = sum(size * n for size, n in sizes.items())
+        family = HistogramMetricFamily(
+            "omnijev_batch_requests", "requests in each executed batch of passes"
+        )
+        family.add_metric([], buckets, total)
+        return [family]
 
 
 class ShapeBuilds:

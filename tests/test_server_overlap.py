@@ -38,9 +38,13 @@ class SplitEngine(RealishEngine):
     def execute(self, prepared: Prepared) -> dict:
         raise AssertionError("a split engine is run through readouts and respond")
 
-    def readouts(self, prepared: Prepared) -> list[int]:
+    def batch_key(self, prepared: Prepared) -> tuple[None, float]:
+        return None, 1.0  # every request alone
+
+    def readouts_batch(self, batch: list[Prepared]) -> list[list[int]]:
+        (prepared,) = batch
         self.record("readouts", prepared)
-        return [len(layout.rows) for layout in prepared.layouts]
+        return [[len(layout.rows) for layout in prepared.layouts]]
 
     def respond(self, prepared: Prepared, readouts: list[int], seconds: float) -> dict:
         self.record("respond", prepared)

@@ -85,3 +85,14 @@ def test_the_load_driver_sends_bench_requests_too():
     with ThreadServer(RealishEngine()) as server:
         argv = ["--url", f"{server.url}/v1/systemone", "--clients", "2", "--requests", "4"]
         assert load.main([*argv, "--suite", "bench", "--questions", "3"]) == 0
+
+
+def test_requests_about_a_few_screenshots_share_their_images():
+    made = [traffic.request(0, index, images=2) for index in range(4)]
+    images = [json.loads(r.body)["state"]["images"][0] for r in made]
+    questions = [json.loads(r.body)["questions"] for r in made]
+    assert images[0] == images[2] and images[1] == images[3] and images[0] != images[1]
+    assert questions[0] != questions[2]
+    # the stream without `images` is unchanged by it
+    assert traffic.request(0, 2).body != made[2].body
+    assert made[0].size == traffic.request(0, 0).size

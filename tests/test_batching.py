@@ -1,0 +1,234 @@
+"""Batching across requests (issue 37): the scheduler runs waiting requests of one batch key as
+one batch, a request that fails fails alone, and a request's answer is the same bytes whether it
+ran alone or batched, in process and through the real worker over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from bench.parity import without_latency
+from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
+from server.admission import BATCH_MOST, Dropped, Scheduler, Ticket
+from tests.engine_fixtures import tiny_engines
+from tests.server_helpers import ThreadServer, wait_ready
+
+HOLD_S = 10.0  # the longest a test waits for a held batch
+
+
+class Recorder:
+    """A batch's work for the scheduler: records each batch, holds the first until released,
+    and fails for the argument "bad"."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, args: list[str]) -> list[str]:
+        self.batches.append(list(args))
+        if len(self.batches) == 1:
+            self.started.set()
+            assert self.release.wait(HOLD_S), "the first batch was never released"
+        if "bad" in args:
+            raise ValueError("bad argument")
+        return [arg.upper() for arg in args]
+
+
+async def queued(scheduler: Scheduler, run: Recorder, work: list[tuple[str, str | None, float]]):
+    """Runs `work` ((argument, key, size) each) through `scheduler`, the first alone while the
+    others queue behind it; each argument's result or exception, in order."""
+    tickets = [Ticket() for _ in work]
+    calls = []
+    for ticket, (arg, key, size) in zip(tickets, work, strict=True):
+        calls.append(asyncio.ensure_future(scheduler.execute_batched(ticket, run, arg, key, size)))
+        if len(calls) == 1:
+            await asyncio.to_thread(run.started.wait, HOLD_S)
+    await asyncio.sleep(0.05)  # every call is in the queue
+    run.release.set()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    await scheduler.close()
+    return results, tickets
+
+
+def test_waiting_requests_of_one_key_run_as_one_batch() -> None:
+    run = Recorder()
+    work = [("a", "x", 0.1), ("b", "x", 0.1), ("c", "y", 0.1), ("d", "x", 0.1), ("e", None, 0.1)]
+    results, tickets = asyncio.run(queued(Scheduler(), run, work))
+    assert results == ["A", "B", "C", "D", "E"]
+    # the oldest waiting request and every other of its key; a None key never joins
+    assert run.batches == [["a"], ["b", "d"], ["c"], ["e"]]
+    assert all(t.queue_wait_s is not None and t.execute_s is not None for t in tickets)
+
+
+def test_a_batch_holds_at_most_one_largest_request() -> None:
+    run = Recorder()
+    half = BATCH_MOST / 2
+    work = [("a", "x", 0.1), ("b", "x", half), ("c", "x", half), ("d", "x", half)]
+    results, _ = asyncio.run(queued(Scheduler(), run, work))
+    assert results == ["A", "B", "C", "D"]
+    assert run.batches == [["a"], ["b", "c"], ["d"]]
+
+
+def test_a_request_that_fails_fails_alone() -> None:
+    run = Recorder()
+    work = [("a", "x", 0.1), ("b", "x", 0.1), ("bad", "x", 0.1), ("c", "x", 0.1)]
+    results, _ = asyncio.run(queued(Scheduler(), run, work))
+    assert results[:2] == ["A", "B"] and results[3] == "C"
+    assert isinstance(results[2], ValueError) and str(results[2]) == "bad argument"
+    # the batch failed as a whole, then ran a request at a time
+    assert run.batches == [["a"], ["b", "bad", "c"], ["b"], ["bad"], ["c"]]
+
+
+def test_a_request_whose_client_left_is_dropped_before_it_runs() -> None:
+    async def scenario() -> tuple[list, list[list[str]]]:
+        run, scheduler = Recorder(), Scheduler()
+        first, gone, kept = Ticket(), Ticket(), Ticket()
+        calls = [asyncio.ensure_future(scheduler.execute_batched(first, run, "a", "x", 0.1))]
+        await asyncio.to_thread(run.started.wait, HOLD_S)
+        for ticket, arg in ((gone, "b"), (kept, "c")):
+            calls.append(
+                asyncio.ensure_future(scheduler.execute_batched(ticket, run, arg, "x", 0.1))
+            )
+        await asyncio.sleep(0.05)
+        gone.gone.set()
+        await asyncio.sleep(0.05)
+        assert scheduler.waiting == 1  # the dropped request left the queue at once
+        run.release.set()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        await scheduler.close()
+        return results, run.batches
+
+    results, batches = asyncio.run(scenario())
+    assert results[0] == "A" and isinstance(results[1], Dropped) and results[2] == "C"
+    assert batches == [["a"], ["c"]]
+
+
+def test_a_lone_request_waits_for_company_only_when_asked() -> None:
+    async def scenario(wait_s: float) -> list[list[str]]:
+        seen: list[list[str]] = []
+
+        def run(args: list[str]) -> list[str]:
+            seen.append(list(args))
+            return args
+
+        scheduler = Scheduler(batch_wait_s=wait_s)
+        first = asyncio.ensure_future(scheduler.execute_batched(Ticket(), run, "a", "x", 0.1))
+        await asyncio.sleep(0.02)
+        second = asyncio.ensure_future(scheduler.execute_batched(Ticket(), run, "b", "x", 0.1))
+        await asyncio.gather(first, second)
+        await scheduler.close()
+        return seen
+
+    assert asyncio.run(scenario(0.0)) == [["a"], ["b"]]
+    assert asyncio.run(scenario(0.5)) == [["a", "b"]]
+
+
+# -- the executor: the same bytes alone and batched ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    return tiny_engines(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def executor(engines):
+    from runtime.executor import load_engine
+
+    return load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
+
+
+def question_sets() -> list[dict]:
+    """Requests about one image with different questions: 1, 3 and 12 questions, all types,
+    some with the same question ids as another request."""
+    gate, bench = gate_questions(), speed_bench_questions(12)
+    first = dict(list(gate.items())[:1])
+    return [first, dict(list(gate.items())[1:4]), bench, dict(list(bench.items())[5:7])]
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_batched_readouts_are_the_bytes_of_each_request_alone(engines, executor, backend) -> None:
+    from runtime.executor import load_engine
+    from runtime.strict_json import parse_body
+
+    if backend != "onnxruntime":
+        executor = load_engine(str(engines[0]), str(engines[1]), backend)
+    image = pattern_png(320, 224)
+    batch = [
+        executor.prepare(parse_body(request_body(image, questions, "image/png")))
+        for questions in question_sets()
+    ]
+    keys = {executor.batch_key(prepared)[0] for prepared in batch}
+    assert len(keys) == 1 and None not in keys
+    together = executor.readouts_batch(batch)
+    for prepared, readouts in zip(batch, together, strict=True):
+        alone = executor.readouts(prepared)
+        assert len(alone) == len(readouts) == len(prepared.layouts)
+        for a, b in zip(alone, readouts, strict=True):
+            assert a.zq.tobytes() == b.zq.tobytes() and a.u.tobytes() == b.u.tobytes()
+            assert [p.tobytes() for p in a.picked] == [p.tobytes() for p in b.picked]
+            assert a.first == b.first
+        answers = executor.respond(prepared, readouts, 0.0)
+        assert without_latency(answers) == without_latency(executor.execute(prepared))
+
+
+def test_requests_about_other_images_have_other_keys(executor) -> None:
+    from runtime.strict_json import parse_body
+
+    questions = gate_questions()
+    keys = [
+        executor.batch_key(executor.prepare(parse_body(request_body(image, questions, mime))))
+        for image, mime in (
+            (pattern_png(320, 224), "image/png"),
+            (pattern_png(320, 224), "image/png"),
+            (pattern_png(224, 320), "image/png"),
+        )
+    ]
+    assert keys[0] == keys[1] and keys[0][0] != keys[2][0]
+    assert 0 < keys[0][1] <= BATCH_MOST
+
+
+# -- the real worker over HTTP ----------------------------------------------------------------
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_concurrent_requests_answer_as_each_alone_over_http(executor) -> None:
+    """Distinct requests sent at once (most about one image, one about another) through the
+    worker with a batch wait, so that they batch; each answer is the bytes it has alone."""
+    image, other = pattern_png(320, 224), pattern_png(224, 320)
+    bodies = [request_body(image, questions, "image/png") for questions in question_sets()]
+    bodies.append(request_body(other, gate_questions(), "image/png"))
+    with ThreadServer(executor, batch_wait_s=0.5) as server:
+        wait_ready(server.url)
+        url = server.url + "/v1/systemone"
+        headers = {"content-type": "application/json"}
+
+        def post(body: bytes) -> httpx.Response:
+            return httpx.post(url, content=body, headers=headers, timeout=60)
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(post, bodies))
+        metrics = httpx.get(server.url + "/metrics").text
+        alone = [post(body) for body in bodies]
+    assert [r.status_code for r in together] == [200] * len(bodies)
+    for batched, single in zip(together, alone, strict=True):
+        assert json.dumps(without_latency(batched.json())) == json.dumps(
+            without_latency(single.json())
+        )
+    batches = metric(metrics, "omnijev_batch_requests_count")
+    requests = metric(metrics, "omnijev_batch_requests_sum")
+    assert requests - batches >= 1, "no two requests shared a batch"
+    assert np.isclose(requests, len(bodies) + 1)  # and the warm-up request
