@@ -33,8 +33,8 @@ SIZES = (
 FORMATS = ("PNG", "JPEG")
 MIMES = {"PNG": "image/png", "JPEG": "image/jpeg"}
 MAX_QUESTIONS = 16
-# independent streams of one seed; "<stream> images": the screenshots of `request(images=K)`
-STREAMS = {"suite": 0, "held-out": 1, "warm-up": 2, "suite images": 3, "held-out images": 4}
+STREAMS = {"suite": 0, "held-out": 1, "warm-up": 2}  # independent streams of one seed
+SCREENSHOT_DRAWS = 11  # seeds the draws of `request(images=K)`'s screenshots, apart
 # option counts of a Choice: mostly a handful, sometimes dozens, now and then up to the limit;
 # at most one question of a request above LARGE_CHOICE (the contract's 1,024 rows in all)
 CHOICE_SPANS = (((2, 6), 0.7), ((7, 32), 0.2), ((33, 128), 0.07), ((129, 255), 0.03))
@@ -140,6 +140,11 @@ class TrafficRequest:
 
 def rng_for(seed: int, stream: str, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, STREAMS[stream], index])
+
+
+def screenshot_rng(seed: int, stream: str, index: int) -> np.random.Generator:
+    """The draws of screenshot `index` that several requests ask about (`request(images=K)`)."""
+    return np.random.default_rng([seed, STREAMS[stream], index, SCREENSHOT_DRAWS])
 
 
 def size_of(seed: int, stream: str, index: int) -> tuple[int, int]:
@@ -287,7 +292,7 @@ def request(
     shown = index % images if images else index
     # with `images`, a screenshot's draws come from a stream of their own, the same for every
     # request about it; without, the request's draws are as they always were
-    image_rng = rng_for(seed, f"{stream} images", shown) if images else rng
+    image_rng = screenshot_rng(seed, stream, shown) if images else rng
     size = size or size_of(seed, stream, shown)
     fmt = fmt or FORMATS[int(image_rng.integers(0, len(FORMATS)))]
     count = questions or int(rng.integers(1, MAX_QUESTIONS + 1))

@@ -1,9 +1,10 @@
-"""Several prepared requests as one: requests about the same image prefix run their questions in
-the passes of one request, and each gets back its own questions' readouts.
+"""Several prepared requests as one: their questions run in the passes of one request, each row
+reading its own image's prefix, and each request gets back its own questions' readouts.
 
 Exact by the planner's rule (runtime.passes): the shape a question runs in, and its rows' bytes,
-never depend on the other questions, so a question's readouts are the same bytes whether its
-request ran alone or with others.
+never depend on the other questions; and a row reads its image prefix by its index
+(`Pass.prefix_rows`), the same keys and values as alone. So a question's readouts are the same
+bytes whether its request ran alone or with others.
 """
 
 from __future__ import annotations
@@ -12,28 +13,38 @@ from runtime.contract import MAX_QUESTIONS, MAX_ROWS
 from runtime.types import Prepared
 
 
-def batch_size(prepared: Prepared) -> float:
+def batch_size(prepared: Prepared, prefixes: int = 1) -> float:
     """A request's share of a batch: its questions or its option rows, whichever is the larger
     part of what one request may ask (docs/contract.md §2.2), so that a batch never asks more
-    than the largest single request."""
+    than the largest single request; and, where a pass reads at most `prefixes` image
+    prefixes, at least 1/`prefixes`, so that a batch never holds more images."""
     rows = sum(len(layout.rows) for layout in prepared.layouts)
-    return max(len(prepared.layouts) / MAX_QUESTIONS, rows / MAX_ROWS)
+    shares = [len(prepared.layouts) / MAX_QUESTIONS, rows / MAX_ROWS]
+    if prefixes > 1:
+        shares.append(1 / prefixes)
+    return max(shares)
 
 
-def merged(batch: list[Prepared]) -> Prepared:
-    """One request holding every question of `batch`, in order; the requests share one image
-    prefix (the same `image_key`), so the first's image stands for all."""
-    first = batch[0]
-    keys = {prepared.image_key for prepared in batch}
-    if len(keys) != 1 or None in keys:
-        raise ValueError("a merged batch needs one image prefix")
-    return Prepared(
-        image=first.image,
+def merged(batch: list[Prepared]) -> tuple[Prepared, list[Prepared]]:
+    """(one request holding every question of `batch` in order, the request of each image its
+    rows read): requests about one image (`image_key`) share its prefix, the first of them
+    standing for it; `Prepared.owners` numbers the images in order of first appearance."""
+    if any(prepared.image_key is None for prepared in batch):
+        raise ValueError("a merged batch needs every request's image key")
+    images: dict[str, Prepared] = {}
+    owners = []
+    for prepared in batch:
+        first = images.setdefault(prepared.image_key, prepared)  # type: ignore[arg-type]
+        owners += [list(images.values()).index(first)] * len(prepared.layouts)
+    request = Prepared(
+        image=batch[0].image,
         layouts=tuple(layout for prepared in batch for layout in prepared.layouts),
-        prefix_length=first.prefix_length,
+        prefix_length=batch[0].prefix_length,
         input_tokens=sum(prepared.input_tokens for prepared in batch),
-        image_key=first.image_key,
+        image_key=batch[0].image_key,
+        owners=tuple(owners),
     )
+    return request, list(images.values())
 
 
 def split(readouts: list, batch: list[Prepared]) -> list[list]:

@@ -27,7 +27,16 @@ from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.passes import Plan, early_heads_fit, finished_by_joint, plan
 from runtime.readouts import HostReadouts, Landing, mlps_behind
-from runtime.run_passes import Choices, Dims, PassRunner, Stopwatch, lane_of, pinned_uint8
+from runtime.run_passes import (
+    Choices,
+    Dims,
+    PassRunner,
+    State,
+    Stopwatch,
+    lane_of,
+    pinned_uint8,
+    stack_prefixes,
+)
 from runtime.types import Prepared, QuestionReadout
 from runtime.warm_up import warm_up_request
 
@@ -163,23 +172,32 @@ class Executor:
         self.stages["heads"] = time.perf_counter() - heads_started
         return response
 
-    def batch_key(self, prepared: Prepared) -> tuple[str | None, float]:
+    def batch_key(self, prepared: Prepared) -> tuple[object, float]:
         """(key, share): the requests of one key run their passes as one batch
-        (`readouts_batch`), those about one image prefix; a request's share of a batch
-        (`runtime.batch.batch_size`)."""
-        return prepared.image_key, batch_size(prepared)
+        (`readouts_batch`): where a pass reads several image prefixes (the backend's
+        `Capabilities.prefixes`), those whose image prefixes have one pass shape, else those
+        about one image prefix; a request's share of a batch (`runtime.batch.batch_size`)."""
+        prefixes = self.backend.capabilities.prefixes
+        if prefixes > 1:
+            key: object = ("prefix shape", self.work_of(prepared).prefix.shape)
+        else:
+            key = prepared.image_key
+        return key, batch_size(prepared, prefixes)
 
     def readouts_batch(self, batch: list[Prepared]) -> list[list[QuestionReadout]]:
         """The readouts of each request of `batch`, of one `batch_key`: their questions in the
         passes of one request (`runtime.batch.merged`), the same bytes as each alone."""
         if len(batch) == 1:
             return [self.readouts(batch[0])]
-        return split(self.readouts(merged(batch)), batch)
+        return split(self.readouts(*merged(batch)), batch)
 
-    def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
+    def readouts(
+        self, prepared: Prepared, images: list[Prepared] | None = None
+    ) -> list[QuestionReadout]:
         """Hidden states and log-probabilities of every question, through the engines. Every
         pass is enqueued before any readout comes back to the host (one wait, at the end),
-        but for the joint passes whose questions' heads run early (`early_heads_on`)."""
+        but for the joint passes whose questions' heads run early (`early_heads_on`).
+        `images`: for a merged batch, the request of each image prefix its rows read."""
         work = self.work_of(prepared)
         clock = Stopwatch(self.stages, self.stage_sync)
         early = self.early_heads_on(work)
@@ -192,7 +210,7 @@ class Executor:
             return early and k < last
 
         with torch.inference_mode():
-            states = self.prefix.states(prepared.image, work.prefix, clock, prepared.image_key)
+            states = self.image_states(images or [prepared], clock)
             ran = self.runner.run_plan(work, *states, self.choices.lanes, land, clock)
             taken = HostReadouts()
             made = self.early_answers(prepared, work, landings, taken) if early else {}
@@ -209,6 +227,16 @@ class Executor:
             behind.hand_out(late, collected, landing.mlps)
         made.update(zip(late, collected, strict=True))
         return [made[qi] for qi in range(len(prepared.layouts))]
+
+    def image_states(self, images: list[Prepared], clock: Stopwatch) -> tuple[State, State]:
+        """(prefix, after prefix) states of each request's image (`ImagePrefix.states`), stacked
+        where there are several (the rows read theirs by `Pass.prefix_rows` and `src`)."""
+        made = [
+            self.prefix.states(p.image, self.work_of(p).prefix, clock, p.image_key) for p in images
+        ]
+        if len(made) == 1:
+            return made[0]
+        return stack_prefixes([m[0] for m in made]), stack_prefixes([m[1] for m in made])
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:
         """The response: heads and finishing of every question not made early."""

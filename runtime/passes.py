@@ -121,6 +121,7 @@ class Pass:
     positions: np.ndarray  # int64 [3, B, T]
     lengths: np.ndarray  # int64 [B]
     src: np.ndarray  # int64 [B]
+    prefix_rows: np.ndarray  # int64 [B]: the image prefix each row reads (Prepared.owners)
     read_rows: list[int] = field(default_factory=list)  # flat indices into B * T
     targets: list[tuple[int, int]] = field(default_factory=list)  # (flat index, token)
     # for a piece of a longer pass: where its readouts go in the whole pass's outputs
@@ -215,6 +216,24 @@ class Plan:
     joined: bool = False  # made with `joint`
 
 
+def owner(prepared: Prepared, qi: int) -> int:
+    """The image prefix question `qi`'s rows read: its request's in a merged batch, else 0."""
+    return prepared.owners[qi] if prepared.owners else 0
+
+
+def prefix_starts(prepared: Prepared) -> list[int]:
+    """Each question's image prefix length (`image_prefix_length` of its image's questions)."""
+    groups: dict[int, list[int]] = {}
+    for qi in range(len(prepared.layouts)):
+        groups.setdefault(owner(prepared, qi), []).append(qi)
+    starts = [0] * len(prepared.layouts)
+    for members in groups.values():
+        n = image_prefix_length(tuple(prepared.layouts[qi] for qi in members))
+        for qi in members:
+            starts[qi] = n
+    return starts
+
+
 def image_prefix_length(layouts: tuple[QuestionLayout, ...]) -> int:
     """Tokens through <|vision_end|>, identical for every question by the prompt template."""
     ids = layouts[0].token_ids
@@ -231,6 +250,7 @@ def empty_pass(batch: int, length: int) -> Pass:
         positions=np.zeros((3, batch, length), dtype=np.int64),
         lengths=np.ones(batch, dtype=np.int64),
         src=np.zeros(batch, dtype=np.int64),
+        prefix_rows=np.zeros(batch, dtype=np.int64),
     )
 
 
@@ -246,8 +266,9 @@ def fill_row(p: Pass, row: int, ids: list[int], positions: np.ndarray, src: int 
 
 
 def plan_prefix(prepared: Prepared) -> tuple[Pass, int]:
+    """The image prefix's pass (of owner 0's image, in a merged batch) and its length."""
     layout = prepared.layouts[0]
-    n = image_prefix_length(prepared.layouts)
+    n = prefix_starts(prepared)[0]
     p = empty_pass(1, bucket(n, PREFIX_STEP))
     fill_row(p, 0, list(layout.token_ids[:n]), layout.positions[:, :n])
     return p, n
@@ -321,7 +342,9 @@ def question_pass(
     qp = QuestionPass(rows=p, members=chunk, zq_read={}, first_read={})
     for row, qi in enumerate(chunk):
         ids, positions = spans[qi]
-        fill_row(p, row, ids, positions)
+        # the row continues its image's after-prefix states (its `src`) and reads its prefix
+        fill_row(p, row, ids, positions, owner(prepared, qi))
+        p.prefix_rows[row] = owner(prepared, qi)
         if qi not in read:
             continue
         # the span holds no <|opt|> but the shared tokens' first (user text cannot hold one)
@@ -375,6 +398,8 @@ def plan_options(
                 p = empty_pass(fitted_rows(len(chunk), size, fit), length)
                 op = OptionPass(rows=p, question_pass=pi, members=[], u_read={}, text_reads={})
                 fill_options(op, prepared.layouts, chunk, length, shares)
+                # an option row reads the image prefix of the question row it continues
+                p.prefix_rows[: len(chunk)] = qp.rows.prefix_rows[[s for _, _, s in chunk]]
                 passes.append(op)
     return passes
 
@@ -503,13 +528,17 @@ def plan(
     family's (fewer for long buckets), whatever else the request asks; with `fit`, each pass
     only the rows it holds (MIN_FITTED_ROWS at least); with `joint`, the questions that `joins`
     in joint passes, and with `fit` too every other question alone in joint passes of its own
-    (`plan_alone`); the rest in question and option passes as before."""
+    (`plan_alone`); the rest in question and option passes as before. A merged batch
+    (`Prepared.owners`) plans its requests' questions as one request's, each row reading its
+    own image's prefix (`Pass.prefix_rows`) and, for a question row, its image's after-prefix
+    states (`src`); the plan's `prefix` is then the first image's."""
     prefix, n = plan_prefix(prepared)
     layouts = prepared.layouts
     joining = {qi for qi, layout in enumerate(layouts) if joint and joins(layout)}
     alone = set() if not (joint and fit) else set(range(len(layouts))) - joining
+    starts = prefix_starts(prepared)
     spans = [
-        question_span(layout, n, shared_tokens(layout) if qi in alone else 0)
+        question_span(layout, starts[qi], shared_tokens(layout) if qi in alone else 0)
         for qi, layout in enumerate(layouts)
     ]
     apart = set(range(len(layouts))) - joining - alone

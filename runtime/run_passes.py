@@ -420,6 +420,7 @@ def slice_pass(rows: Pass, start: int, end: int) -> Pass:
         positions=np.ascontiguousarray(rows.positions[:, :, start:end]),
         lengths=np.clip(rows.lengths - start, 0, width),
         src=np.arange(rows.shape[0], dtype=np.int64) if start else rows.src,
+        prefix_rows=rows.prefix_rows,
     )
     t = rows.shape[1]
     for n, flat in enumerate(rows.read_rows):

@@ -106,6 +106,9 @@ class Prepared:
     # everything the image prefix depends on (runtime.image_prefix.prefix_key), made while
     # preparing: the prefix cache's key, and which requests may share one image prefix
     image_key: str | None = field(default=None, compare=False, repr=False)
+    # several requests merged into one (runtime.batch): the image prefix each question's rows
+    # read, numbered in order of first appearance; None: every question reads the one image's
+    owners: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def questions(self) -> tuple[Question, ...]:
