@@ -29,7 +29,7 @@ GDN = {ONNX_ORT: "ort", ONNX_TRT: "std"}  # the Gated DeltaNet form of each vari
 EXPORT_MANIFEST = manifests.EXPORT_MANIFEST
 # Small, distinct pass sizes for the check (distinct so a swapped axis shows); T ≤ 64 fits the
 # standard-op GDN graph too.
-CHECK_SIZES = {"B": 2, "T": 5, "N": 3, "P": 4, "Q": 3, "S": 2, "R": 3, "M": 4}
+CHECK_SIZES = {"B": 2, "T": 5, "N": 3, "P": 4, "Q": 3, "S": 2, "R": 3, "M": 4, "I": 2}
 CHECK_SEED = 0
 # Largest |ONNX Runtime − export module| / max(1, |module|) accepted; float32 differs only by
 # operation order, bfloat16 by rounding of intermediates.

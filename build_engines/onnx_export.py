@@ -32,19 +32,20 @@ from runtime.model.vision import ATTENTION_VARIANTS
 from runtime.model.weights import load_language_pass, load_vision_tower, read_config
 
 MANIFEST = "onnx_export.json"
-FORMAT = "omnijev-onnx/1"
+FORMAT = "omnijev-onnx/2"  # 2: prefix_rows, several image prefixes a pass
 OPSET = GEMM_OPSET  # 18: LayerNormalization and RMSNorm are written out, nothing newer needed
 MAX_IR_VERSION = 13  # the newest onnxruntime 1.31 reads (docs/engines.md §8)
 EXTERNAL_BYTES = 1 << 30  # weights above this go to `<graph>.onnx.data` (protobuf caps at 2 GiB)
-# Example sizes for tracing: distinct and > 1, so no dynamic axis is specialised or unified.
-EXAMPLE = {"B": 5, "T": 7, "N": 6, "P": 9, "Q": 10, "S": 11, "R": 12, "M": 13}
+# Example sizes for tracing: distinct and > 1, so no dynamic axis is specialised or unified
+# (I: the image prefixes a pass reads, `prefix_rows` picking each row's).
+EXAMPLE = {"B": 5, "T": 7, "N": 6, "P": 9, "Q": 10, "S": 11, "R": 12, "M": 13, "I": 3}
 MERGED_EXAMPLE = 6  # merged vision rows while tracing (patches = 4 × this)
 
 
 def example_lm_feeds(config: dict, dtype: torch.dtype, sizes: dict = EXAMPLE) -> dict:
     """Valid inputs of the given sizes, for tracing."""
     tc = config["text_config"]
-    b, t, n, p, q, s, r, m = (sizes[k] for k in "BTNPQSRM")
+    b, t, n, p, q, s, r, m, i_ = (sizes[k] for k in "BTNPQSRMI")
     kv, hd, hidden = tc["num_key_value_heads"], tc["head_dim"], tc["hidden_size"]
     hv, dv = tc["linear_num_value_heads"], tc["linear_value_head_dim"]
     dk = tc["linear_key_head_dim"]
@@ -56,7 +57,8 @@ def example_lm_feeds(config: dict, dtype: torch.dtype, sizes: dict = EXAMPLE) ->
         "image_features": torch.zeros(n, hidden, dtype=dtype),
         "positions": torch.arange(t).expand(3, b, t).contiguous(),
         "lengths": torch.full((b,), t),
-        "prefix_mask": torch.ones(1, p, dtype=torch.bool),
+        "prefix_mask": torch.ones(i_, p, dtype=torch.bool),
+        "prefix_rows": torch.arange(b) % i_,
         "src": torch.arange(b) % s,
         "src_mask": torch.ones(s, q, dtype=torch.bool),
         "read_rows": torch.arange(r) % (b * t),
@@ -65,7 +67,7 @@ def example_lm_feeds(config: dict, dtype: torch.dtype, sizes: dict = EXAMPLE) ->
     }
     for i in range(attn):
         for kind in "kv":
-            feeds[f"prefix_{kind}.{i}"] = torch.zeros(1, kv, p, hd, dtype=dtype)
+            feeds[f"prefix_{kind}.{i}"] = torch.zeros(i_, kv, p, hd, dtype=dtype)
             feeds[f"src_{kind}.{i}"] = torch.zeros(s, kv, q, hd, dtype=dtype)
     for j in range(gdn):
         feeds[f"src_conv.{j}"] = torch.zeros(s, channels, kernel - 1, dtype=dtype)
@@ -75,16 +77,17 @@ def example_lm_feeds(config: dict, dtype: torch.dtype, sizes: dict = EXAMPLE) ->
 
 def lm_dynamic_shapes(config: dict, gdn: str) -> tuple:
     """`dynamic_shapes` mirroring `lm_args`; T is capped at 64 for the standard-op GDN graph."""
-    b, n, p, q, s, r, m = (Dim(name) for name in "BNPQSRM")
+    b, n, p, q, s, r, m, i_ = (Dim(name) for name in "BNPQSRMI")
     t = Dim("T", max=STD_MAX_TOKENS) if gdn == "std" else Dim("T")
     shapes = {
         "input_ids": {0: b, 1: t}, "image_features": {0: n}, "positions": {1: b, 2: t},
-        "lengths": {0: b}, "prefix_mask": {1: p}, "src": {0: b}, "src_mask": {0: s, 1: q},
+        "lengths": {0: b}, "prefix_mask": {0: i_, 1: p}, "prefix_rows": {0: b}, "src": {0: b},
+        "src_mask": {0: s, 1: q},
         "read_rows": {0: r}, "target_rows": {0: m}, "target_tokens": {0: m},
     }  # fmt: skip
     attn, gdn_layers = layer_counts(config)
     for i in range(attn):
-        shapes[f"prefix_k.{i}"] = shapes[f"prefix_v.{i}"] = {2: p}
+        shapes[f"prefix_k.{i}"] = shapes[f"prefix_v.{i}"] = {0: i_, 2: p}
         shapes[f"src_k.{i}"] = shapes[f"src_v.{i}"] = {0: s, 2: q}
     for j in range(gdn_layers):
         shapes[f"src_conv.{j}"] = shapes[f"src_rec.{j}"] = {0: s}

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from runtime.config import RuntimeConfig
-from runtime.constants import GRAPHS
+from runtime.constants import GRAPHS, MAX_PREFIXES
 from runtime.manifest import (
     DIM,
     ONNX_TRT,
@@ -52,6 +52,9 @@ MAX_SEQUENCE = 8192  # tokens of one question's sequence (MAX_SEQUENCE): bounds 
 MAX_PATCHES = 2352  # max_patches = 602,112 pixels / 16² (docs/contract.md §4.8)
 MAX_IMAGE_TOKENS = MAX_PATCHES // 4  # merged vision rows after the 2×2 spatial merge
 MAX_READS = MAX_ROWS * MAX_PASS_TOKENS  # read_rows and targets are flat indices into B·T
+# image prefixes a pass reads (`prefix_rows`): up to MAX_PREFIXES, what a pass's rows can come
+# from (one question pass's, one request each); tuned for one, a request's passes alone
+PREFIXES = (1, 1, MAX_PREFIXES)
 
 # name -> axis -> (min, opt, max); the first profile that covers a pass's shapes runs it. One
 # profile per graph: DISTRIBUTIVE_INDEPENDENCE (row results independent of the other rows, §3)
@@ -67,7 +70,7 @@ LM_PROFILES = (
         {
             "B": (1, 16, MAX_ROWS), "T": (1, 16, MAX_PASS_TOKENS), "N": (1, 1, MAX_IMAGE_TOKENS),
             "P": (1, 640, MAX_SEQUENCE), "S": (1, 16, MAX_ROWS), "Q": (1, 64, MAX_SEQUENCE),
-            "R": (1, 16, MAX_READS), "M": (1, 256, MAX_READS),
+            "R": (1, 16, MAX_READS), "M": (1, 256, MAX_READS), "I": PREFIXES,
         },
     ),
 )  # fmt: skip

@@ -36,6 +36,10 @@ QUESTION_TOKENS = 256  # a question pass: 16 rows × 16, 8 × 32, ...
 WIDE_OPTION_TOKENS = 512  # an option pass of the wide family: 64 rows × 8, 32 × 16, 16 × 24, ...
 SMALL_OPTION_TOKENS = 256  # an option pass of the small family: 32 rows × 8, 16 × 16, ...
 FIT_TOKENS = max(QUESTION_TOKENS, WIDE_OPTION_TOKENS)  # token slots of the largest fitted pass
+# Image prefixes one language-model pass may read (`prefix_rows` picks each row's): every pass's
+# rows continue the rows of one question pass, at most 16 (runtime.config.MAX_QUESTION_BATCH),
+# each of one request, so a pass reads at most 16 prefixes. The TensorRT profiles go up to it.
+MAX_PREFIXES = 16
 
 # dtype names as the manifests, the command line and the backends write them
 DTYPES = {

@@ -25,7 +25,8 @@ LIBRARIES = ("tensorrt", "tensorrt_rtx", "tensorrt_rtx_bindings")
 RTX = "tensorrt_rtx"
 FULL = "tensorrt"
 MANIFEST = "engines.json"
-FORMAT = "omnijev-engines/1"
+# 2: the language-model graphs take `prefix_rows` and several image prefixes a pass
+FORMAT = "omnijev-engines/2"
 ONNX_ORT = "onnx_ort"  # the ONNX Runtime variant (fused Gated DeltaNet and vision attention)
 ONNX_TRT = "onnx_trt"  # the variant the plans are built from (gdn="std")
 PLANS_DIR = "plans"
@@ -153,7 +154,10 @@ def verify_engine_dir(engines_dir: str | Path, checkpoint_dir: str | Path) -> No
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise EngineDirError(f"{path}: not JSON ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise EngineDirError(f"{path}: format is not {FORMAT}")
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise EngineDirError(
+            f"{path}: format is {found!r}, not {FORMAT}; rebuild it with `omnijev engines`"
+        )
     check_checkpoint(manifest.get("checkpoint"), Path(checkpoint_dir), path)
     recorded = onnx_records(manifest)
     plans = manifest.get("plans") or {}

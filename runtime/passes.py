@@ -121,7 +121,9 @@ class Pass:
     positions: np.ndarray  # int64 [3, B, T]
     lengths: np.ndarray  # int64 [B]
     src: np.ndarray  # int64 [B]
-    prefix_rows: np.ndarray  # int64 [B]: the image prefix each row reads (Prepared.owners)
+    # int64 [B]: the image prefix each row continues, an index into the pass's stacked
+    # prefixes (prefix_k.{i} [R, ...]; Prepared.owners); all zeros where the pass reads one
+    prefix_rows: np.ndarray
     read_rows: list[int] = field(default_factory=list)  # flat indices into B * T
     targets: list[tuple[int, int]] = field(default_factory=list)  # (flat index, token)
     # for a piece of a longer pass: where its readouts go in the whole pass's outputs
@@ -154,6 +156,7 @@ class Pass:
             "positions": self.positions,
             "lengths": self.lengths,
             "src": self.src,
+            "prefix_rows": self.prefix_rows,
             "read_rows": np.asarray(read, dtype=np.int64),
             "target_rows": np.asarray(rows, dtype=np.int64),
             "target_tokens": np.asarray(tokens, dtype=np.int64),

@@ -66,6 +66,27 @@ class State:
     rec: list[torch.Tensor]
 
 
+def stack_prefixes(states: list[State]) -> State:
+    """Image-prefix states of one length P (`PassRunner.run_prefix`'s first, each [1, ...]) as
+    one state of R prefixes [R, ...], in order: a pass's rows pick theirs by `prefix_rows`."""
+    if not states:
+        raise ValueError("no prefix states to stack")
+    lengths = sorted({s.mask.shape[1] for s in states})
+    if len(lengths) > 1:
+        raise ValueError(f"prefixes of one length only, got lengths {lengths}")
+
+    def stacked(layers: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [torch.cat(parts) for parts in zip(*layers, strict=True)]
+
+    return State(
+        k=stacked([s.k for s in states]),
+        v=stacked([s.v for s in states]),
+        mask=torch.cat([s.mask for s in states]),
+        conv=stacked([s.conv for s in states]),
+        rec=stacked([s.rec for s in states]),
+    )
+
+
 @dataclass(frozen=True)
 class Choices:
     """How the executor runs requests on its backend, each a consequence of the backend's

@@ -58,7 +58,8 @@ KERNEL_CHECK = textwrap.dedent(
         if p == past == 1:  # the image prefix's pass: the empty state's masked keys
             seen[:] = False
         mask = torch.cat([seen[:, None].expand(-1, t, -1), own], dim=-1)
-        args = (q, shared_k, shared_v, past_k, past_v, k, v, mask)
+        prefixes = torch.zeros(b, dtype=torch.int64)
+        args = (q, shared_k, shared_v, prefixes, past_k, past_v, k, v, mask)
         expected = grouped_attention(*args, 0.3)
         got = rows_attention(*args, 0.3)
         # over valid tokens: a padding token's output is never read
@@ -91,7 +92,8 @@ def test_attention_kernel_is_a_custom_op_with_a_fake():
     past = torch.empty(1, 2, 4, 64, device="meta").expand(3, -1, -1, -1)
     own = torch.empty(3, 2, 5, 64, device="meta")
     mask = torch.empty(3, 5, 7 + 4 + 5, dtype=torch.bool, device="meta")
-    out = attention_kernels.rows_attention(q, shared, shared, past, past, own, own, mask, 0.5)
+    rows = torch.zeros(3, dtype=torch.int64, device="meta")
+    out = attention_kernels.rows_attention(q, shared, shared, rows, past, past, own, own, mask, 0.5)
     assert out.shape == (3, 5, 8 * 64) and out.is_contiguous()
 
 

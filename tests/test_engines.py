@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from build_engines import trt_build
 from runtime import manifest as manifests
-from runtime.constants import GRAPHS
+from runtime.config import MAX_QUESTION_BATCH
+from runtime.constants import GRAPHS, MAX_PREFIXES
 from runtime.model.gdn import STD_MAX_TOKENS
 from runtime.passes import OPTION_ROWS
 
@@ -244,6 +245,8 @@ def test_profiles_cover_the_contract_limits():
     assert axes["B"][2] == OPTION_ROWS and axes["S"][2] >= OPTION_ROWS
     assert axes["P"][2] >= 8192 and axes["Q"][2] >= 8192  # a question's whole sequence
     assert axes["N"][2] == 2352 // 4 and axes["R"][2] == axes["M"][2] == 64 * 64
+    # a pass's image prefixes: as many as the rows of a question pass, which its rows continue
+    assert axes["I"][2] == MAX_PREFIXES >= MAX_QUESTION_BATCH
     (_, vision), = trt_build.VISION_PROFILES  # fmt: skip
     assert vision["patches"] == (4, 1024, 2352)
     for bounds in (*axes.values(), *vision.values()):

@@ -177,7 +177,8 @@ def empty_state(config: dict, dtype=torch.float32) -> dict:
 
 
 def row_batch(rows: list[list[int]], positions: list[torch.Tensor], pad: int = 1) -> dict:
-    """Right-padded ids, positions (pads keep counting) and lengths; T = longest + pad."""
+    """Right-padded ids, positions (pads keep counting) and lengths; T = longest + pad; every
+    row after the one image prefix."""
     t = max(len(r) for r in rows) + pad
     ids = torch.zeros(len(rows), t, dtype=torch.long)
     pos = torch.zeros(3, len(rows), t, dtype=torch.long)
@@ -185,7 +186,9 @@ def row_batch(rows: list[list[int]], positions: list[torch.Tensor], pad: int = 1
         ids[b, : len(row)] = torch.tensor(row)
         pos[:, b, : len(row)] = p
         pos[:, b, len(row) :] = p[:, -1:] + torch.arange(1, t - len(row) + 1)
-    return {"input_ids": ids, "positions": pos, "lengths": torch.tensor([len(r) for r in rows])}
+    lengths = torch.tensor([len(r) for r in rows])
+    prefixes = torch.zeros(len(rows), dtype=torch.long)
+    return {"input_ids": ids, "positions": pos, "lengths": lengths, "prefix_rows": prefixes}
 
 
 def readouts(rows: list[list[int]], t: int, extra_token: int) -> dict:

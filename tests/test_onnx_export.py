@@ -149,7 +149,8 @@ def test_files_are_valid_and_described(exported):
                 assert shapes.count([512, 64]) == 1  # one tied table for lookup and readout
     inputs = {i["name"]: i for i in variants["ort"]["graphs"]["lm_state"]["inputs"]}
     assert inputs["input_ids"]["shape"] == ["B", "T"]
-    assert inputs["prefix_k.0"]["shape"] == [1, 2, "P", 32]
+    assert inputs["prefix_k.0"]["shape"] == ["I", 2, "P", 32]
+    assert inputs["prefix_rows"]["shape"] == ["B"] and inputs["prefix_mask"]["shape"] == ["I", "P"]
     assert inputs["src_rec.2"]["shape"] == ["S", 4, 16, 16]
     assert variants["std"]["max_tokens"] == 64
 

@@ -342,11 +342,12 @@ def test_folded_attention_is_grouped_attention(p, own):
     # the rows' past and their own keys, as mix gives them
     rows = (keys[:, :, : own - t], values[:, :, : own - t], keys[:, :, -t:], values[:, :, -t:])
     mask = torch.rand(b, t, p + own, generator=generator) > 0.3
-    expected = grouped_attention(q, shared_k, shared_v, *rows, mask, 0.3)
-    got = folded_attention(q, shared_k, shared_v, *rows, mask, 0.3)
+    prefixes = torch.zeros(b, dtype=torch.int64)
+    expected = grouped_attention(q, shared_k, shared_v, prefixes, *rows, mask, 0.3)
+    got = folded_attention(q, shared_k, shared_v, prefixes, *rows, mask, 0.3)
     assert torch.allclose(got, expected, atol=1e-6)
     # fitted passes: the products over min_tokens // T rows, the same attention
-    fitted = folded_attention(q, shared_k, shared_v, *rows, mask, 0.3, min_tokens=8 * t)
+    fitted = folded_attention(q, shared_k, shared_v, prefixes, *rows, mask, 0.3, min_tokens=8 * t)
     assert fitted.shape == got.shape and torch.allclose(fitted, got, atol=1e-6)
 
 

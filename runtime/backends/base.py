@@ -10,6 +10,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from runtime.constants import MAX_PREFIXES
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -33,6 +35,12 @@ class Capabilities:
     # the device runs enqueued work while the host goes on (CUDA): the heads' large products
     # there, behind the passes, and the heads of finished questions beside later passes
     asynchronous: bool = False
+    # image prefixes a language-model pass may read, each row its own (`prefix_rows`; 1: one
+    # prefix shared by every row). Declared, not probed: every backend's attention keeps a
+    # row's bytes whatever the other prefixes of its pass (docs/design.md "A pass's inputs"),
+    # and the TensorRT plans' profiles take up to MAX_PREFIXES, which the portable engines
+    # therefore declare
+    prefixes: int = MAX_PREFIXES
 
 
 @runtime_checkable

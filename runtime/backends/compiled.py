@@ -32,6 +32,7 @@ from runtime.constants import (
     IMAGE_GRAPH,
     JOINT,
     JOINT_GRAPH,
+    MAX_PREFIXES,
     QUESTION_TOKENS,
     SMALL_OPTION_TOKENS,
 )
@@ -87,7 +88,7 @@ READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens", "target_slots")
 READOUT_OUTPUTS = ("hidden", "logprobs")
 # a joint pass's option rows have these inputs (JOINT + the name) besides the question rows'
 # whole set
-ROW_INPUTS = ("input_ids", "positions", "lengths", "src", *READOUT_INPUTS)
+ROW_INPUTS = ("input_ids", "positions", "lengths", "src", "prefix_rows", *READOUT_INPUTS)
 # Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
 # count. The products are checked at load, on this machine, for every row count a pass can
 # give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
@@ -345,6 +346,10 @@ class TorchBackend:
             padded_targets=False,  # `readout` pads the targets to its READOUT_PIECE rows itself
             lanes=self.lanes,
             asynchronous=cuda,
+            # the attention kernel reads each row's prefix in place; folded_attention runs a
+            # prefix's products for each prefix a pass reads (its rows' bytes as with one), so
+            # many prefixes cost the CPU and float32 paths a product each
+            prefixes=MAX_PREFIXES,
         )
 
     # -- set-up -----------------------------------------------------------------------------
@@ -455,6 +460,8 @@ class TorchBackend:
         for name in lm_input_names(self.config):
             if name in ("prefix_mask", "src_mask"):
                 dtypes[name] = torch.bool
+            elif name == "prefix_rows":
+                dtypes[name] = torch.int64
             elif name.startswith("src_rec."):
                 dtypes[name] = torch.float32
             elif name == "image_features" or name.startswith(("prefix_", "src_k", "src_v")):

@@ -267,6 +267,11 @@ class OrtBackend(Portable):
             graph: {i.name: ORT_TO_TORCH[i.type] for i in s.get_inputs()}
             for graph, s in self.sessions.items()
         }
+        if "prefix_rows" not in self._dtypes.get("lm_state", {"prefix_rows": None}):
+            raise RuntimeError(
+                f"{folder}: lm_state.onnx has no prefix_rows input (an export older than "
+                "several image prefixes a pass); export it again with `omnijev export`"
+            )
         # ONNX Runtime captures and replays by itself under each slot's graph id: no torch capture
         self.slots = GraphSlots(
             self.device,

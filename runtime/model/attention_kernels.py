@@ -1,5 +1,5 @@
 """The torch backend's attention on CUDA in half precision: one Triton kernel a layer reading
-the image prefix's keys, each row's past and its own keys in place, as a PyTorch custom op; the
+each row's image prefix's keys, its past and its own keys in place, as a PyTorch custom op; the
 image prefix's own pass by PyTorch's fused causal attention.
 
 Follows `runtime.model.language.grouped_attention` (docs/model.md §2: GQA, one softmax over the
@@ -42,7 +42,8 @@ CHUNK_KEYS = 128
 # (runtime.passes.ALONE_ROWS), whose rows follow its own option count
 CHUNK_MAX_ROWS = 64
 # Those larger passes (one question's option rows, alone) read the shared keys for several rows
-# a program: every row of them reads the same prefix keys, so a program of this many folded
+# a program: every row of them reads the same prefix keys (one question's rows: one image prefix,
+# that of the program's first row, `attend_rows`), so a program of this many folded
 # query rows (whole rows' tiles, e.g. 2 rows of 32) reads each key once for all of them, and a
 # second kernel goes on from its softmax state per row over the row's past and own keys. A
 # row's sums over the shared keys come in the same order wherever it sits (the shared keys are
@@ -113,13 +114,14 @@ if triton is not None:
 
     @triton.jit
     def _shared_rows_kernel(
-        q, shared_k, shared_v, mask, part_acc, part_ml, scale, B, T, P, Q, KVH,
-        sq_b, sq_h, sq_t, ss_h, ss_n,
+        q, shared_k, shared_v, prefix_rows, mask, part_acc, part_ml, scale, B, T, P, Q, KVH,
+        sq_b, sq_h, sq_t, ss_b, ss_h, ss_n,
         G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
         BN: tl.constexpr,
     ):  # fmt: skip
         """One program: R rows' query tiles (BM folded rows each, as `_query_tile` lays out a
-        row of one tile) of one KV head against every shared prefix key; writes each row's
+        row of one tile) of one KV head against every key of the image prefix of the first of
+        them (`attend_rows`: the real rows of such a pass read one prefix); writes each row's
         softmax state (weighted values, max, sum) for `_attention_kernel` to go on from
         (RESUME)."""
         i_kvh = tl.program_id(1)
@@ -138,7 +140,7 @@ if triton is not None:
         m_i = tl.full([R * BM], MASKED_SCORE, dtype=tl.float32)
         l_i = tl.zeros([R * BM], dtype=tl.float32)
         visible = mask + (i_b * T + o_t) * (P + Q + T)
-        at = i_kvh * ss_h
+        at = tl.load(prefix_rows + tl.program_id(0) * R) * ss_b + i_kvh * ss_h
         acc, m_i, l_i = _keys_step(
             acc, m_i, l_i, b_q, shared_k + at, shared_v + at, ss_n, P, visible, row_ok, scale,
             D, BN,
@@ -150,18 +152,19 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(
-        q, shared_k, shared_v, past_k, past_v, own_k, own_v, mask, out, part_acc, part_ml,
-        scale, T, P, Q, KVH,
-        sq_b, sq_h, sq_t, ss_h, ss_n, sp_b, sp_h, sp_n, so_b, so_h, so_n,
+        q, shared_k, shared_v, prefix_rows, past_k, past_v, own_k, own_v, mask, out, part_acc,
+        part_ml, scale, T, P, Q, KVH,
+        sq_b, sq_h, sq_t, ss_b, ss_h, ss_n, sp_b, sp_h, sp_n, so_b, so_h, so_n,
         G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         CHUNK: tl.constexpr, RESUME: tl.constexpr,
     ):  # fmt: skip
         """One program: BM folded query rows (group member, token) of one row and KV head,
-        against the shared prefix keys, the row's past and its own keys up to its tile's last
-        token (own keys are causal). With CHUNK, program (…, c) takes the shared keys
-        [c·CHUNK, (c+1)·CHUNK) only, the last one the past and own keys, and each writes its
-        softmax's running max, sum and weighted values for `_merge_kernel`. With RESUME (one
-        tile a row), the shared keys' state comes from `_shared_rows_kernel` instead."""
+        against its image prefix's keys (`prefix_rows` of the row), the row's past and its own
+        keys up to its tile's last token (own keys are causal). With CHUNK, program (…, c)
+        takes the shared keys [c·CHUNK, (c+1)·CHUNK) only, the last one the past and own keys,
+        and each writes its softmax's running max, sum and weighted values for
+        `_merge_kernel`. With RESUME (one tile a row), the shared keys' state comes from
+        `_shared_rows_kernel` instead."""
         i_m, i_bh, i_b, i_kvh, row_ok, o_t, head = _query_tile(KVH, T, G, BM)
         o_d = tl.arange(0, D)
         rows = q + i_b * sq_b + head[:, None] * sq_h + o_t[:, None] * sq_t + o_d[None, :]
@@ -187,7 +190,7 @@ if triton is not None:
             mine = i_c == tl.num_programs(2) - 1
             past_count = tl.where(mine, Q, 0)
             last = tl.where(mine, last, 0)
-        at = i_kvh * ss_h + first * ss_n
+        at = tl.load(prefix_rows + i_b) * ss_b + i_kvh * ss_h + first * ss_n
         acc, m_i, l_i = _keys_step(
             acc, m_i, l_i, b_q, shared_k + at, shared_v + at, ss_n, shared, visible + first,
             row_ok, scale, D, BN,
@@ -239,6 +242,7 @@ def rows_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
     shared_v: torch.Tensor,
+    prefix_rows: torch.Tensor,
     past_k: torch.Tensor,
     past_v: torch.Tensor,
     k: torch.Tensor,
@@ -246,18 +250,19 @@ def rows_attention(
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`grouped_attention`'s rows q [B, H, T, hd] over the shared keys/values [1, KVH, P, hd]
-    (the image prefix), each row's past [B, KVH, Q, hd] (a broadcast view where the rows share
-    one) and their own k, v [B, KVH, T, hd], all read in place (any strides but a unit last
-    one); `mask` [B, T, P + Q + T] is true where a key is visible, and a token sees none of its
-    row's later tokens; where P and Q are both PREFIX_KEYS (the image prefix's pass) those keys
-    are the empty state's, masked. Returns [B, T, H·hd] in v's dtype. The image prefix's pass
-    runs `prefix_attention`, others the kernel with `pass_chunk` shared keys a program."""
-    return attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale)
+    """`grouped_attention`'s rows q [B, H, T, hd] over their image prefixes' keys/values
+    [R, KVH, P, hd] (row n's at `prefix_rows[n]`, int64 [B]), each row's past [B, KVH, Q, hd]
+    (a broadcast view where the rows share one) and their own k, v [B, KVH, T, hd], all read in
+    place (any strides but a unit last one); `mask` [B, T, P + Q + T] is true where a key is
+    visible, and a token sees none of its row's later tokens; where P and Q are both
+    PREFIX_KEYS (the image prefix's pass) those keys are the empty state's, masked. Returns
+    [B, T, H·hd] in v's dtype. The image prefix's pass runs `prefix_attention`, others the
+    kernel with `pass_chunk` shared keys a program."""
+    return attend_rows(q, shared_k, shared_v, prefix_rows, past_k, past_v, k, v, mask, scale)
 
 
 @rows_attention.register_fake
-def _(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale):
+def _(q, shared_k, shared_v, prefix_rows, past_k, past_v, k, v, mask, scale):
     b, heads, t, hd = q.shape
     return v.new_empty(b, t, heads * hd)
 
@@ -299,9 +304,15 @@ def shared_rows(rows: int, tiles: int, tile: int) -> int:
     return count if count >= 2 else 0
 
 
-def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> torch.Tensor:
+def attend_rows(
+    q, shared_k, shared_v, prefix_rows, past_k, past_v, k, v, mask, scale
+) -> torch.Tensor:
     """`rows_attention`'s body: the image prefix's pass by `prefix_attention`, others by the
-    kernel with `pass_chunk` shared keys a program."""
+    kernel with `pass_chunk` shared keys a program, each program reading its row's prefix at
+    `prefix_rows[row]`. A `shared_rows` program reads the prefix of its first row for all its
+    rows: such passes (more than CHUNK_MAX_ROWS rows) hold one question alone, whose real rows
+    read one prefix and come first; padding rows after them are never read. Not checked here:
+    that would wait for the device."""
     b, heads, t, hd = q.shape
     kv_heads, p, past = k.shape[1], shared_k.shape[2], past_k.shape[2]
     if p == past == PREFIX_KEYS:
@@ -309,7 +320,7 @@ def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> tor
     if triton is None:
         raise RuntimeError("the attention kernel needs triton")
     chunk = pass_chunk(b)
-    if hd & (hd - 1) or heads % kv_heads or shared_k.shape[0] != 1:
+    if hd & (hd - 1) or heads % kv_heads:
         raise ValueError(f"attention kernel: head dim {hd}, heads {heads}/{kv_heads}")
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
     shared_k, shared_v = unit_last(shared_k), unit_last(shared_v)
@@ -324,7 +335,7 @@ def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> tor
     out = v.new_empty(b, t, heads * hd)
     keys_per_step, warps = TILES[tile]
     tiles = triton.cdiv(group * t, tile)
-    mask = mask.contiguous()
+    mask, prefix_rows = mask.contiguous(), prefix_rows.contiguous()
     rows_a_program = shared_rows(b, tiles, tile)
     chunks = triton.cdiv(p, chunk) + 1 if chunk else 1
     grid = (tiles, b * kv_heads, chunks)
@@ -336,16 +347,17 @@ def attend_rows(q, shared_k, shared_v, past_k, past_v, k, v, mask, scale) -> tor
     if rows_a_program:
         shared_step, shared_warps = TILES[rows_a_program * tile]
         _shared_rows_kernel[(triton.cdiv(b, rows_a_program), kv_heads)](
-            q, shared_k, shared_v, mask, part_acc, part_ml, scale, b, t, p, past, kv_heads,
-            q.stride(0), q.stride(1), q.stride(2), shared_k.stride(1), shared_k.stride(2),
+            q, shared_k, shared_v, prefix_rows, mask, part_acc, part_ml, scale, b, t, p, past,
+            kv_heads, q.stride(0), q.stride(1), q.stride(2), shared_k.stride(0),
+            shared_k.stride(1), shared_k.stride(2),
             G=group, D=hd, BM=tile, R=rows_a_program, BN=shared_step, num_warps=shared_warps,
             num_stages=STAGES,
         )  # fmt: skip
     _attention_kernel[grid](
-        q, shared_k, shared_v, past_k, past_v, k, v, mask, out, part_acc, part_ml,
+        q, shared_k, shared_v, prefix_rows, past_k, past_v, k, v, mask, out, part_acc, part_ml,
         scale, t, p, past, kv_heads,
         q.stride(0), q.stride(1), q.stride(2),
-        shared_k.stride(1), shared_k.stride(2),
+        shared_k.stride(0), shared_k.stride(1), shared_k.stride(2),
         past_k.stride(0), past_k.stride(1), past_k.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         G=group, D=hd, BM=tile, BN=keys_per_step, CHUNK=chunk, RESUME=rows_a_program > 0,

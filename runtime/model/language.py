@@ -1,6 +1,7 @@
-"""One language-model pass over right-padded rows continuing a shared image prefix and per-row
-states: gated attention, Gated DeltaNet, the readouts (docs/design.md "Language-model passes");
-and the torch backend's joint pass, a question's rows and the option rows continuing them.
+"""One language-model pass over right-padded rows, each continuing its image prefix (one of the
+pass's `prefix_rows`) and its own state: gated attention, Gated DeltaNet, the readouts
+(docs/design.md "Language-model passes"); and the torch backend's joint pass, a question's rows
+and the option rows continuing them.
 
 Follows transformers 5.17 `Qwen3_5TextModel` (docs/model.md §2-§5); the Gated DeltaNet core comes
 from `runtime.model.gdn` by name.
@@ -69,6 +70,7 @@ def grouped_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
     shared_v: torch.Tensor,
+    prefix_rows: torch.Tensor,
     past_k: torch.Tensor,
     past_v: torch.Tensor,
     k: torch.Tensor,
@@ -76,16 +78,19 @@ def grouped_attention(
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, H, T, hd] over the shared keys/values [1, KVH, P, hd] (the image prefix, read by
-    every row in place, never copied per row) followed by each row's past [B, KVH, Q, hd] and
-    its own k, v [B, KVH, T, hd]; query head h reads KV head h // (H/KVH). `mask`
-    [B, T, P + Q + T] is true where a key is visible. One softmax over all; the shared and
-    the row's weighted sums are added in float32. Returns [B, T, H·hd]."""
+    """q [B, H, T, hd] over its row's image prefix, row n's keys/values
+    `shared_k[prefix_rows[n]]` of [R, KVH, P, hd] (gathered per row: each row's products have
+    the shapes they have with one prefix, so a row's bytes do not follow the others' prefixes),
+    followed by each row's past [B, KVH, Q, hd] and its own k, v [B, KVH, T, hd]; query head h
+    reads KV head h // (H/KVH). `mask` [B, T, P + Q + T] is true where a key is visible. One
+    softmax over all; the shared and the row's weighted sums are added in float32. Returns
+    [B, T, H·hd]."""
     keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    shared_k, shared_v = shared_k[prefix_rows], shared_v[prefix_rows]
     b, heads, t, hd = q.shape
     kv_heads = keys.shape[1]
     qg = q.reshape(b, kv_heads, heads // kv_heads, t, hd)
-    shared = qg @ shared_k[:, :, None].transpose(-1, -2)  # broadcast over rows and groups
+    shared = qg @ shared_k[:, :, None].transpose(-1, -2)  # broadcast over groups
     own = qg @ keys[:, :, None].transpose(-1, -2)
     scores = torch.cat([shared, own], dim=-1) * scale
     scores = torch.where(mask[:, None, None], scores.float(), MASKED)
@@ -116,6 +121,7 @@ def folded_attention(
     q: torch.Tensor,
     shared_k: torch.Tensor,
     shared_v: torch.Tensor,
+    prefix_rows: torch.Tensor,
     past_k: torch.Tensor,
     past_v: torch.Tensor,
     k: torch.Tensor,
@@ -128,6 +134,11 @@ def folded_attention(
     shared keys ([KVH, B·G·T, hd] × [KVH, hd, P]) and back, so that the prefix is read once per
     pass, not as B·G small products (the torch backend's form; the export keeps the other).
 
+    With several image prefixes (R > 1), each prefix's two products run over every row's
+    queries, exactly the products of the pass holding that prefix alone, and a row keeps those
+    of its own prefix (`prefix_rows`): its bytes are the ones it has with its prefix alone, at
+    the cost of a prefix's products for each prefix (on the CPU, each prefix its rows read).
+
     With `min_tokens` (fitted passes) each of the four products runs over `min_tokens // T`
     rows (zero rows appended, cut after): one shape per length bucket whatever the pass's row
     count, so a row's bytes cannot follow the kernel its row count would pick. The softmax and
@@ -138,6 +149,7 @@ def folded_attention(
     kv_heads, p = keys.shape[1], shared_k.shape[2]
     group = heads // kv_heads
     folded_rows = b * group * t
+    prefixes = read_prefixes(shared_k.shape[0], prefix_rows)
 
     def fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
         """`x` with zero rows up to `min_tokens // T` rows (dim 0) or folded rows (dim 1)."""
@@ -148,22 +160,53 @@ def folded_attention(
         extra[dim] = (rows if dim == 0 else rows * group * t) - x.shape[dim]
         return torch.cat([x, x.new_zeros(extra)], dim=dim)
 
+    def own_prefix(parts: list[torch.Tensor]) -> torch.Tensor:
+        """Each row's [B, ...] of the products of its own prefix (one part each of `prefixes`)."""
+        picked = parts[0]
+        for r, part in zip(prefixes[1:], parts[1:], strict=True):
+            mine = (prefix_rows == r).reshape(b, *[1] * (part.dim() - 1))
+            picked = torch.where(mine, part, picked)
+        return picked
+
     qg = q.reshape(b, kv_heads, group, t, hd)
-    folded = qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, hd)
-    shared = (fixed(folded, 1) @ shared_k[0].transpose(-1, -2))[:, :folded_rows]
-    shared = shared.reshape(kv_heads, b, group, t, p).permute(1, 0, 2, 3, 4)
+    folded = fixed(qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, hd), 1)
+    shared = own_prefix(
+        [
+            (folded @ shared_k[r].transpose(-1, -2))[:, :folded_rows]
+            .reshape(kv_heads, b, group, t, p)
+            .permute(1, 0, 2, 3, 4)
+            for r in prefixes
+        ]
+    )
     own = (fixed(qg, 0) @ fixed(keys, 0)[:, :, None].transpose(-1, -2))[:b]
     scores = torch.cat([shared, own], dim=-1) * scale
     scores = torch.where(mask[:, None, None], scores.float(), MASKED)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     p_shared, p_own = probs.split([p, keys.shape[2]], dim=-1)
-    p_folded = p_shared.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, p)
-    from_shared = (fixed(p_folded, 1) @ shared_v[0])[:, :folded_rows]
-    from_shared = from_shared.reshape(kv_heads, b, group, t, hd).permute(1, 0, 2, 3, 4)
+    p_folded = fixed(p_shared.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, p), 1)
+    from_shared = own_prefix(
+        [
+            (p_folded @ shared_v[r])[:, :folded_rows]
+            .reshape(kv_heads, b, group, t, hd)
+            .permute(1, 0, 2, 3, 4)
+            for r in prefixes
+        ]
+    )
     from_own = (fixed(p_own, 0) @ fixed(values, 0)[:, :, None])[:b]
     out = from_shared.float() + from_own.float()
     out = out.to(values.dtype).reshape(b, heads, t, hd)
     return out.transpose(1, 2).reshape(b, t, heads * hd)
+
+
+def read_prefixes(count: int, prefix_rows: torch.Tensor) -> list[int]:
+    """The prefixes of [R, ...] whose products `folded_attention` runs: the one there is; on
+    the CPU those its rows read (no device to wait for); elsewhere all R (no data-dependent
+    shapes under compilation)."""
+    if count == 1:
+        return [0]
+    if prefix_rows.device.type == "cpu":
+        return [int(r) for r in prefix_rows.unique()]
+    return list(range(count))
 
 
 class GatedAttention(nn.Module):
@@ -188,9 +231,11 @@ class GatedAttention(nn.Module):
     def fuse(self) -> None:
         fuse_linears(self, "qkv", self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
+    def forward(self, x, cos, sin, mask, prefix_k, prefix_v, prefix_rows, src_k, src_v):
         q, gate, k, v = self.project(x)
-        attn, k, v = self.mix(q, k, v, cos, sin, mask, prefix_k, prefix_v, src_k, src_v)
+        attn, k, v = self.mix(
+            q, k, v, cos, sin, mask, prefix_k, prefix_v, prefix_rows, src_k, src_v
+        )
         return self.output(attn, gate), k, v
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -203,15 +248,18 @@ class GatedAttention(nn.Module):
         q, gate = q.reshape(*lead, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         return q, gate.reshape(*lead, self.heads * self.head_dim), k, v
 
-    def mix(self, q, k, v, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
-        """Rows [B, T] of `project`'s q, k, v: the attention [B, T, H·hd] and the rows' own
-        k, v [B, KVH, T, hd] (normalised, rotated)."""
+    def mix(self, q, k, v, cos, sin, mask, prefix_k, prefix_v, prefix_rows, src_k, src_v):
+        """Rows [B, T] of `project`'s q, k, v, row n after image prefix `prefix_rows[n]` of
+        prefix_k, prefix_v [R, KVH, P, hd]: the attention [B, T, H·hd] and the rows' own k, v
+        [B, KVH, T, hd] (normalised, rotated)."""
         b, t = q.shape[:2]
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(k.reshape(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = v.reshape(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        attn = self.attend(q, prefix_k, prefix_v, src_k, src_v, k, v, mask, self.head_dim**-0.5)
+        attn = self.attend(
+            q, prefix_k, prefix_v, prefix_rows, src_k, src_v, k, v, mask, self.head_dim**-0.5
+        )
         return attn, k, v
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -418,6 +466,7 @@ class LanguagePass(nn.Module):
         prefix_k,
         prefix_v,
         prefix_mask,
+        prefix_rows,
         src,
         src_k,
         src_v,
@@ -436,7 +485,7 @@ class LanguagePass(nn.Module):
         causal = steps[None, :, None] >= steps[None, None, :]
         mask = torch.cat(
             [
-                prefix_mask[:, None, :].expand(b, t, -1),
+                prefix_mask[prefix_rows][:, None, :].expand(-1, t, -1),
                 src_mask[src][:, None, :].expand(-1, t, -1),
                 causal & valid[:, None, :],
             ],
@@ -448,8 +497,9 @@ class LanguagePass(nn.Module):
             if layer.kind == "full_attention":
                 i = len(out_k)
                 x, k, v = layer.self_attn(
-                    x, cos, sin, mask, prefix_k[i], prefix_v[i], src_k[i][src], src_v[i][src]
-                )
+                    x, cos, sin, mask, prefix_k[i], prefix_v[i], prefix_rows, src_k[i][src],
+                    src_v[i][src],
+                )  # fmt: skip
                 out_k.append(k)
                 out_v.append(v)
             else:
@@ -489,7 +539,7 @@ def lm_input_names(config: dict) -> list[str]:
     return [
         "input_ids", "image_features", "positions", "lengths",
         *[f"prefix_k.{i}" for i in range(attn)], *[f"prefix_v.{i}" for i in range(attn)],
-        "prefix_mask", "src",
+        "prefix_mask", "prefix_rows", "src",
         *[f"src_k.{i}" for i in range(attn)], *[f"src_v.{i}" for i in range(attn)],
         "src_mask",
         *[f"src_conv.{j}" for j in range(gdn)], *[f"src_rec.{j}" for j in range(gdn)],
@@ -517,7 +567,8 @@ def lm_args(feeds: dict, config: dict) -> tuple:
 
     return (
         feeds["input_ids"], feeds["image_features"], feeds["positions"], feeds["lengths"],
-        group("prefix_k", attn), group("prefix_v", attn), feeds["prefix_mask"], feeds["src"],
+        group("prefix_k", attn), group("prefix_v", attn), feeds["prefix_mask"],
+        feeds["prefix_rows"], feeds["src"],
         group("src_k", attn), group("src_v", attn), feeds["src_mask"],
         group("src_conv", gdn), group("src_rec", gdn),
         feeds["read_rows"], feeds["target_rows"], feeds["target_tokens"],
@@ -527,11 +578,11 @@ def lm_args(feeds: dict, config: dict) -> tuple:
 # -- the torch backend's pass -------------------------------------------------------------------
 
 
-def attention_block(layer, h, cos, sin, mask, prefix_k, prefix_v, src_k, src_v):
+def attention_block(layer, h, cos, sin, mask, prefix_k, prefix_v, prefix_rows, src_k, src_v):
     """One attention decoder layer of `pass_body`: (h, k, v). A function of the layer, so that
     one compilation serves every layer of its kind (regional compilation)."""
     x, k, v = layer.self_attn(
-        layer.input_layernorm(h), cos, sin, mask, prefix_k, prefix_v, src_k, src_v
+        layer.input_layernorm(h), cos, sin, mask, prefix_k, prefix_v, prefix_rows, src_k, src_v
     )
     h = h + x
     return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
@@ -559,10 +610,11 @@ def pass_body(
     and Gated DeltaNet forms the layers were given (`attend`, `core`). `blocks` may hold
     compiled forms of `attention_block` and `delta_block`."""
     blocks = blocks or BLOCKS
-    lengths, src = feeds["lengths"], feeds["src"]
+    lengths, src, prefix_rows = feeds["lengths"], feeds["src"], feeds["prefix_rows"]
     h, cos, sin, valid, own = rows_inputs(module, feeds, "")
     b, t = valid.shape
-    mask = rows_mask(feeds["prefix_mask"], per_row(feeds["src_mask"], src, b), own)
+    prefix_mask = per_row(feeds["prefix_mask"], prefix_rows, b)
+    mask = rows_mask(prefix_mask, per_row(feeds["src_mask"], src, b), own)
     out: dict[str, torch.Tensor] = {}
     i = j = 0
     for layer in module.layers:
@@ -575,6 +627,7 @@ def pass_body(
                 mask,
                 feeds[f"prefix_k.{i}"],
                 feeds[f"prefix_v.{i}"],
+                prefix_rows,
                 per_row(feeds[f"src_k.{i}"], src, b),
                 per_row(feeds[f"src_v.{i}"], src, b),
             )
@@ -614,10 +667,11 @@ def rows_inputs(module: LanguagePass, feeds: dict, prefix: str) -> tuple[torch.T
 
 
 def rows_mask(prefix_mask: torch.Tensor, past: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-    """[B, T, P + Q + T]: the prefix's valid keys, each row's past [B, Q], its own `own`."""
-    b, t = own.shape[:2]
+    """[B, T, P + Q + T]: each row's prefix's valid keys [B, P], its past [B, Q], its own
+    `own`."""
+    t = own.shape[1]
     return torch.cat(
-        [prefix_mask[:, None, :].expand(b, t, -1), past[:, None, :].expand(-1, t, -1), own],
+        [prefix_mask[:, None, :].expand(-1, t, -1), past[:, None, :].expand(-1, t, -1), own],
         dim=-1,
     )
 
@@ -630,22 +684,26 @@ def part(x: torch.Tensor, start, rows: int, tokens: int) -> torch.Tensor:
     return x[start : start + rows * tokens].reshape(rows, tokens, *x.shape[1:])
 
 
-def joint_attention_block(layer, h, cos_q, sin_q, mask_q, parts, prefix_k, prefix_v, src_k, src_v):
+def joint_attention_block(
+    layer, h, cos_q, sin_q, mask_q, parts, prefix_k, prefix_v, prefix_rows, src_k, src_v
+):
     """One attention decoder layer of `joint_body` over the flat tokens h [Nq + No, D]: the
     question rows as `attention_block` would run them, then each part's option rows (`parts`:
-    cos, sin, mask and src of each), whose past is their question row's keys and values of
-    this very layer; the products over all tokens."""
+    cos, sin, mask, src and prefix rows of each), whose past is their question row's keys and
+    values of this very layer; the products over all tokens."""
     attn = layer.self_attn
     bq, tq = cos_q.shape[:2]
     q, gate, k, v = attn.project(layer.input_layernorm(h))
     mine = [part(x, 0, bq, tq) for x in (q, k, v)]
-    out_q, k_q, v_q = attn.mix(*mine, cos_q, sin_q, mask_q, prefix_k, prefix_v, src_k, src_v)
+    out_q, k_q, v_q = attn.mix(
+        *mine, cos_q, sin_q, mask_q, prefix_k, prefix_v, prefix_rows, src_k, src_v
+    )
     outs, at = [out_q.flatten(0, 1)], bq * tq
-    for cos_o, sin_o, mask_o, src in parts:
+    for cos_o, sin_o, mask_o, src, rows_o in parts:
         bo, to = cos_o.shape[:2]
         theirs = [part(x, at, bo, to) for x in (q, k, v)]
         out_o, _, _ = attn.mix(
-            *theirs, cos_o, sin_o, mask_o, prefix_k, prefix_v, per_row(k_q, src, bo),
+            *theirs, cos_o, sin_o, mask_o, prefix_k, prefix_v, rows_o, per_row(k_q, src, bo),
             per_row(v_q, src, bo),
         )  # fmt: skip
         outs.append(out_o.flatten(0, 1))
@@ -693,23 +751,25 @@ def joint_body(
     """A question pass and the option passes over its rows (its parts) as one pass (the torch
     backend's `lm_joint`): the question rows (the graph's names) continue the image prefix,
     each part's option rows (a JOINT_PREFIXES prefix + the names; its `src` indexes the
-    question rows) continue the question rows layer by layer. Every row gets the arithmetic of
+    question rows, its `prefix_rows` the prefixes, each its question row's) continue the
+    question rows layer by layer. Every row gets the arithmetic of
     its own pass (`pass_body`); the products run once over all the parts' tokens, so the
     weights are read once for all. Returns `flat` [Nq + No, D] after the final norm, the
     question rows' tokens first, then each part's in order."""
     blocks = blocks or JOINT_BLOCKS
-    src = feeds["src"]
+    src, prefix_rows = feeds["src"], feeds["prefix_rows"]
     h_q, cos_q, sin_q, valid_q, own_q = rows_inputs(module, feeds, "")
     bq = valid_q.shape[0]
-    mask_q = rows_mask(feeds["prefix_mask"], per_row(feeds["src_mask"], src, bq), own_q)
+    prefix_q = per_row(feeds["prefix_mask"], prefix_rows, bq)
+    mask_q = rows_mask(prefix_q, per_row(feeds["src_mask"], src, bq), own_q)
     rows, attending, carrying = [h_q.flatten(0, 1)], [], []
     for prefix in fed_parts(feeds):
         h_o, cos_o, sin_o, valid_o, own_o = rows_inputs(module, feeds, prefix)
-        opt_src = feeds[prefix + "src"]
+        opt_src, opt_prefix = feeds[prefix + "src"], feeds[prefix + "prefix_rows"]
         rows.append(h_o.flatten(0, 1))
-        attending.append(
-            (cos_o, sin_o, rows_mask(feeds["prefix_mask"], valid_q[opt_src], own_o), opt_src)
-        )
+        prefix_o = per_row(feeds["prefix_mask"], opt_prefix, opt_src.shape[0])
+        mask_o = rows_mask(prefix_o, valid_q[opt_src], own_o)
+        attending.append((cos_o, sin_o, mask_o, opt_src, opt_prefix))
         carrying.append((valid_o, feeds[prefix + "lengths"], opt_src))
     h = torch.cat(rows)
     i = j = 0
@@ -717,7 +777,7 @@ def joint_body(
         if layer.kind == "full_attention":
             h = blocks["attention"](
                 layer, h, cos_q, sin_q, mask_q, attending,
-                feeds[f"prefix_k.{i}"], feeds[f"prefix_v.{i}"],
+                feeds[f"prefix_k.{i}"], feeds[f"prefix_v.{i}"], prefix_rows,
                 per_row(feeds[f"src_k.{i}"], src, bq), per_row(feeds[f"src_v.{i}"], src, bq),
             )  # fmt: skip
             i += 1
