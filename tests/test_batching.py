@@ -160,13 +160,15 @@ def test_batched_readouts_are_the_bytes_of_each_request_alone(engines, executor,
 
     if backend != "onnxruntime":
         executor = load_engine(str(engines[0]), str(engines[1]), backend)
-    image = pattern_png(320, 224)
+    # two images of one prefix shape, three requests about the first: two prefixes a pass
+    images = [pattern_png(320, 224), pattern_png(224, 320)]
     batch = [
-        executor.prepare(parse_body(request_body(image, questions, "image/png")))
-        for questions in question_sets()
+        executor.prepare(parse_body(request_body(images[i % 3 == 1], questions, "image/png")))
+        for i, questions in enumerate(question_sets())
     ]
     keys = {executor.batch_key(prepared)[0] for prepared in batch}
     assert len(keys) == 1 and None not in keys
+    assert len({prepared.image_key for prepared in batch}) == 2
     together = executor.readouts_batch(batch)
     for prepared, readouts in zip(batch, together, strict=True):
         alone = executor.readouts(prepared)
@@ -179,16 +181,19 @@ def test_batched_readouts_are_the_bytes_of_each_request_alone(engines, executor,
         assert without_latency(answers) == without_latency(executor.execute(prepared))
 
 
-def test_requests_about_other_images_have_other_keys(executor) -> None:
+def test_requests_batch_by_their_image_prefix_shape(executor) -> None:
+    """Where a pass reads several image prefixes (ONNX Runtime's do), requests whose image
+    prefixes have one pass shape share a key, whatever their images."""
     from runtime.strict_json import parse_body
 
+    assert executor.backend.capabilities.prefixes > 1
     questions = gate_questions()
     keys = [
         executor.batch_key(executor.prepare(parse_body(request_body(image, questions, mime))))
         for image, mime in (
             (pattern_png(320, 224), "image/png"),
-            (pattern_png(320, 224), "image/png"),
-            (pattern_png(224, 320), "image/png"),
+            (pattern_png(224, 320), "image/png"),  # other pixels, as many image tokens
+            (pattern_png(640, 480), "image/png"),  # a longer image prefix
         )
     ]
     assert keys[0] == keys[1] and keys[0][0] != keys[2][0]
@@ -237,15 +242,17 @@ def test_concurrent_requests_answer_as_each_alone_over_http(executor) -> None:
 # -- the plan of a merged batch -----------------------------------------------------------------
 
 
-def rows_of(work, owners: tuple[int, ...] | None = None) -> dict:
+def rows_of(work, fit: bool) -> dict:
     """Each question's rows in a plan: (part, pass shape, tokens, positions, length) per row,
-    and the prefix each reads; question rows' sources too."""
+    and the prefix each reads; question rows' sources too. Fitted passes have the rows they
+    hold, so there only a row's width counts (the engine keeps a row's bytes whatever the row
+    count: `Capabilities.rows_fit`)."""
     made: dict = {}
 
     def add(rows, members, part: str) -> None:
         for row, member in enumerate(members):
             qi = member if part == "question" else member[0]
-            shape, length = rows.shape, int(rows.lengths[row])
+            shape, length = rows.shape[1 if fit else 0 :], int(rows.lengths[row])
             seen = (part, shape, rows.input_ids[row].tobytes(), rows.positions[:, row].tobytes())
             made.setdefault(qi, []).append((*seen, length))
             made.setdefault(("prefix", qi), set()).add(int(rows.prefix_rows[row]))
@@ -276,12 +283,14 @@ def test_a_merged_plan_gives_each_question_its_rows_alone(executor, fit, joint) 
     request, firsts = merged(batch)
     assert request.owners == (0,) * 1 + (1,) * 3 + (0,) * 12
     assert len(firsts) == 2 and firsts[0] is batch[0] and firsts[1] is batch[1]
-    together = rows_of(plan(request, QUESTION_ROWS, fit, joint))
+    together = rows_of(plan(request, QUESTION_ROWS, fit, joint), fit)
     at = 0
     for prepared in batch:
-        alone = rows_of(plan(prepared, QUESTION_ROWS, fit, joint))
+        alone = rows_of(plan(prepared, QUESTION_ROWS, fit, joint), fit)
         for qi in range(len(prepared.layouts)):
             owner = request.owners[at + qi]
-            assert sorted(together[at + qi]) == sorted(alone[qi])
+            # in joint plans a text runs again beside each pass of its options (runtime.passes.
+            # plan_joint), and options that share passes with others may be cut in more of them
+            assert sorted(set(together[at + qi])) == sorted(set(alone[qi]))
             assert together[("prefix", at + qi)] == together[("src", at + qi)] == {owner}
         at += len(prepared.layouts)
