@@ -34,8 +34,8 @@ def merged(batch: list[Prepared]) -> tuple[Prepared, list[Prepared]]:
     images: dict[str, Prepared] = {}
     owners = []
     for prepared in batch:
-        first = images.setdefault(prepared.image_key, prepared)  # type: ignore[arg-type]
-        owners += [list(images.values()).index(first)] * len(prepared.layouts)
+        images.setdefault(prepared.image_key, prepared)  # type: ignore[arg-type]
+        owners += [list(images).index(prepared.image_key)] * len(prepared.layouts)
     request = Prepared(
         image=batch[0].image,
         layouts=tuple(layout for prepared in batch for layout in prepared.layouts),

@@ -22,10 +22,10 @@ import torch
 from runtime.backends import Backend, choose_backend
 from runtime.batch import batch_size, merged, split
 from runtime.config import RuntimeConfig
-from runtime.constants import IMAGE_PAD_ID, MODEL_ID
+from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
-from runtime.passes import Plan, early_heads_fit, finished_by_joint, plan
+from runtime.passes import Plan, batch_bucket, early_heads_fit, finished_by_joint, plan
 from runtime.readouts import HostReadouts, Landing, mlps_behind
 from runtime.run_passes import (
     Choices,
@@ -236,6 +236,9 @@ class Executor:
         ]
         if len(made) == 1:
             return made[0]
+        # a pass's shape includes its prefix count, and each shape is a CUDA graph of its own:
+        # counts of a power of two (the first prefix again, which no row reads) keep them few
+        made += [made[0]] * (batch_bucket(len(made), MAX_PREFIXES) - len(made))
         return stack_prefixes([m[0] for m in made]), stack_prefixes([m[1] for m in made])
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:

@@ -17,6 +17,7 @@ a request that fails fails alone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Hashable
@@ -34,6 +35,7 @@ RESPONDING = 2
 BATCH_MOST = 1.0
 
 T = TypeVar("T")
+log = logging.getLogger("omnijev.admission")
 
 
 class Dropped(Exception):
@@ -301,6 +303,7 @@ def each_alone(run: Callable[[list[Any]], list[Any]], args: list[Any]) -> list[t
     except Exception as exc:
         if len(args) == 1:
             return [(False, exc)]
+        log.exception("a batch of %d requests failed; each runs again alone", len(args))
     made: list[tuple[bool, Any]] = []
     for arg in args:
         try:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from bench.parity import without_latency
+from bench.workloads import encode, photo_image
 from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
 from server.admission import BATCH_MOST, Dropped, Scheduler, Ticket
 from tests.engine_fixtures import tiny_engines
@@ -160,15 +161,17 @@ def test_batched_readouts_are_the_bytes_of_each_request_alone(engines, executor,
 
     if backend != "onnxruntime":
         executor = load_engine(str(engines[0]), str(engines[1]), backend)
-    # two images of one prefix shape, three requests about the first: two prefixes a pass
-    images = [pattern_png(320, 224), pattern_png(224, 320)]
+    # three images of one prefix shape (two of one size), requests about each: three prefixes
+    # a pass, the second image's asked about first after the first's
+    images = [pattern_png(320, 224), encode(photo_image(320, 224, 3), "PNG")]
+    images.append(pattern_png(224, 320))
     batch = [
-        executor.prepare(parse_body(request_body(images[i % 3 == 1], questions, "image/png")))
-        for i, questions in enumerate(question_sets())
+        executor.prepare(parse_body(request_body(images[i], questions, "image/png")))
+        for i, questions in zip((0, 1, 1, 2), question_sets(), strict=True)
     ]
     keys = {executor.batch_key(prepared)[0] for prepared in batch}
     assert len(keys) == 1 and None not in keys
-    assert len({prepared.image_key for prepared in batch}) == 2
+    assert len({prepared.image_key for prepared in batch}) == 3
     together = executor.readouts_batch(batch)
     for prepared, readouts in zip(batch, together, strict=True):
         alone = executor.readouts(prepared)
