@@ -3,7 +3,8 @@
 # the wheels of .gpu-wheels (bench/wheels.sh) installed, the checkpoint and the torch engine
 # directory with its compiler caches built where missing, the bench workloads in process
 # (20 warm runs each), then `omnijev serve` (prefix cache off) under the traffic suite at 1 and
-# 16 closed-loop clients. Every record goes to OUTDIR as JSON, the output to OUTDIR/log.txt.
+# 16 closed-loop clients, mixed and with 12 and 1 questions a request. Every record goes to
+# OUTDIR as JSON, the output to OUTDIR/log.txt.
 #   BENCH_COMMIT=<sha> bash bench/h200.sh OUTDIR
 set -euo pipefail
 out=${1:?usage: bench/h200.sh OUTDIR}
@@ -23,4 +24,7 @@ step() {
 step build
 step latency --runs 20
 step serve --suite traffic --clients 1,16 --requests 160 --warm-up 32
+# the two request sizes across clients (batching across requests: 1 and 12 questions)
+step serve --suite traffic --clients 1,16 --requests 64 --questions 12 --warm-up 16
+step serve --suite traffic --clients 1,16 --requests 64 --questions 1 --warm-up 16
 echo "[$(date +%T), ${SECONDS} s] done" | tee -a "$out/log.txt"

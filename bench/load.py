@@ -29,6 +29,7 @@ TIMEOUT_SECONDS = 120.0  # one request's socket timeout
 QUANTILES = (0.5, 0.9, 0.99)
 SERVER_STAGES = ("prepare", "queue_wait", "execute", "total")  # server.metrics.STAGES
 STAGE_METRIC = "omnijev_stage_seconds"  # server.metrics: a histogram labelled by stage
+BATCH_METRIC = "omnijev_batch_requests"  # server.metrics: requests per executed batch
 
 
 class Client(threading.Thread):
@@ -95,11 +96,12 @@ def stage_seconds(url: str) -> dict[str, tuple[float, float]] | None:
 
     found: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != STAGE_METRIC:
+        if family.name not in (STAGE_METRIC, BATCH_METRIC):
             continue
         for sample in family.samples:
-            kind = sample.name.removeprefix(STAGE_METRIC + "_")
-            found.setdefault(sample.labels.get("stage", ""), {})[kind] = sample.value
+            kind = sample.name.removeprefix(family.name + "_")
+            stage = BATCH_METRIC if family.name == BATCH_METRIC else sample.labels.get("stage", "")
+            found.setdefault(stage, {})[kind] = sample.value
     return {stage: (v.get("sum", 0.0), v.get("count", 0.0)) for stage, v in found.items()}
 
 
@@ -115,6 +117,14 @@ def per_request_ms(before: dict | None, after: dict | None) -> dict[str, float] 
     return means
 
 
+def requests_per_batch(before: dict | None, after: dict | None) -> float | None:
+    """The mean requests of the batches the worker executed between the two readings."""
+    if not before or not after or BATCH_METRIC not in after:
+        return None
+    (s0, c0), (s1, c1) = before.get(BATCH_METRIC, (0.0, 0.0)), after[BATCH_METRIC]
+    return (s1 - s0) / (c1 - c0) if c1 > c0 else None
+
+
 def run_load(url: str, bodies: list[bytes], clients: int = CLIENTS) -> dict:
     """Every body once, by `clients` closed-loop clients; the report without request details."""
     records: list[dict] = []
@@ -127,7 +137,8 @@ def run_load(url: str, bodies: list[bytes], clients: int = CLIENTS) -> dict:
     for worker in workers:
         worker.join()
     seconds = time.perf_counter() - started
-    server = per_request_ms(before, stage_seconds(url))
+    after = stage_seconds(url)
+    server = per_request_ms(before, after)
     records.sort(key=lambda r: r["index"])
     statuses = Counter(str(r["status"]) for r in records)
     latencies = [r["latency_ms"] for r in records]
@@ -146,6 +157,7 @@ def run_load(url: str, bodies: list[bytes], clients: int = CLIENTS) -> dict:
         },
         "server_ms_per_request": server,
         "gpu_ms_per_request": (server or {}).get("execute"),
+        "requests_per_batch": requests_per_batch(before, after),
         "records": records,
     }
     return report
@@ -172,14 +184,16 @@ def suite_bodies(args: argparse.Namespace, count: int, stream: str) -> tuple[lis
 def table(reports: list[dict]) -> str:
     lines = [
         "| clients | requests | ok | requests/s | p50 ms | p90 ms | p99 ms | max ms | "
-        "server prepare ms | queue ms | execute (GPU) ms |",
-        "|" + " ---: |" * 11,
+        "server prepare ms | queue ms | execute (GPU) ms | requests a batch |",
+        "|" + " ---: |" * 12,
     ]
     for r in reports:
         server = r["server_ms_per_request"] or {}
         cells = [r["clients"], r["requests"], r["ok"], f"{r['requests_per_s']:.2f}"]
         cells += [f"{r['latency_ms'][k]:.1f}" for k in ("p50", "p90", "p99", "max")]
         cells += [f"{server[k]:.1f}" if k in server else "-" for k in SERVER_STAGES[:3]]
+        batch = r.get("requests_per_batch")
+        cells.append("-" if batch is None else f"{batch:.2f}")
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

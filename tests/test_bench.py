@@ -63,6 +63,7 @@ def test_load_driver_sends_every_request_once_and_keeps_each_latency():
     assert 1e3 * STUB_SECONDS <= latency["p50"] <= latency["p90"] <= latency["p99"]
     assert latency["p99"] <= latency["max"] == max(r["latency_ms"] for r in report["records"])
     assert report["server_ms_per_request"] is None  # the stub has no /metrics
+    assert report["requests_per_batch"] is None
     assert "| 2 | 40 | 40 |" in load.table([report])
 
 

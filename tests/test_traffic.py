@@ -76,6 +76,7 @@ def test_every_traffic_request_is_answered_over_http(tmp_path):
         assert run["requests_per_s"] > 0 and {"p50", "p90", "p99", "max"} <= set(run["latency_ms"])
         stages = run["server_ms_per_request"]  # from the worker's /metrics
         assert stages["execute"] == run["gpu_ms_per_request"] and stages["prepare"] > 0
+        assert run["requests_per_batch"] == 1.0  # this engine runs every request alone
         assert {tuple(r["size"]) for r in run["records"]} == set(traffic.SIZES)
         assert all(r["status"] == 200 and r["latency_ms"] > 0 for r in run["records"])
     assert {r["format"] for r in record["runs"][0]["records"]} == {"PNG", "JPEG"}
