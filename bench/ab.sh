@@ -25,8 +25,15 @@ print('checkpoint', round(time.time()-t,1), 's')" 2>&1 | tail -2
 fi
 PYTHONPATH=$base:$root $py -c "
 from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '$en', '$dtype')"
+# BEFORE reads an engine directory of the format it knows: the torch backend's holds no graph,
+# only the manifest and compiler caches, so it is the same directory with that format named
+en_before=$en-before; rm -rf "$en_before"; cp -r "$en" "$en_before"
+(cd "$before" && PYTHONPATH=$base:$before $py -c "
+import json; from pathlib import Path; from runtime.manifest import FORMAT, MANIFEST
+path = Path('$en_before') / MANIFEST; manifest = json.loads(path.read_text())
+manifest['format'] = FORMAT; path.write_text(json.dumps(manifest))")
 flags=/tmp/ab-flags; rm -rf $flags; mkdir -p $flags
-(cd $before && PYTHONPATH=$base:$before exec $py $root/bench/ab_driver.py before $ck $en $flags > $out/before-log.txt 2>&1) &
+(cd $before && PYTHONPATH=$base:$before exec $py $root/bench/ab_driver.py before $ck $en_before $flags > $out/before-log.txt 2>&1) &
 pid_before=$!
 PYTHONPATH=$base:$root $py bench/ab_driver.py after $ck $en $flags > $out/after-log.txt 2>&1 &
 pid_after=$!

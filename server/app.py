@@ -36,6 +36,7 @@ from runtime import config as settings
 from runtime.errors import BodyError, ContractError
 from runtime.strict_json import parse_body
 from runtime.types import Prepared
+from runtime.warm_up import warm_up_companion
 from server import memory
 from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
 from server.formats import NATIVE, FormatError, Translation, Wire, decisions, typesafe, unchanged
@@ -410,6 +411,22 @@ class Worker:
             await self.execute(ticket, prepared)
             # what a cold start spends where: the new shapes' compilations and captures
             log.info("warm-up request %d in %.3f s", index, time.perf_counter() - start)
+        if self.engine.splits:
+            await self._warm_up_batch()
+
+    async def _warm_up_batch(self) -> None:
+        """The warm-up request and its companion (runtime.warm_up), prepared, then executed at
+        once: they reach the execution queue together and run as one batch, whose shapes (two
+        image prefixes a pass) are then built before ready."""
+        start = time.perf_counter()
+        bodies = [None, warm_up_companion()]
+        tickets = [Ticket() for _ in bodies]
+        prepared = [
+            await self.scheduler.prepare(ticket, self._prepare_warm_up, body)
+            for ticket, body in zip(tickets, bodies, strict=True)
+        ]
+        await asyncio.gather(*map(self.execute, tickets, prepared))
+        log.info("warm-up batch in %.3f s", time.perf_counter() - start)
 
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)
