@@ -6,6 +6,7 @@
 #   bash bench/ab.sh BEFORE OUTDIR
 set -uo pipefail
 py=${PYTHON:-python3}
+[[ $py == */* && $py != /* ]] && py=$PWD/$py  # the earlier tree runs from its own folder
 before=${1:?usage: bench/ab.sh BEFORE OUTDIR}; out=${2:?usage: bench/ab.sh BEFORE OUTDIR}
 mkdir -p "$out"; root=$PWD; before=$(cd "$before" && pwd)
 if [[ -d .gpu-wheels && -z ${PYTHON:-} ]]; then  # the GPU machine: carried wheels
