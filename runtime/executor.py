@@ -44,8 +44,8 @@ log = logging.getLogger("omnijev.executor")
 
 
 class Executor:
-    """Holds the loaded model (export + engines) and answers requests, alone or several about
-    one image prefix at once (`readouts_batch`).
+    """Holds the loaded model (export + engines) and answers requests, alone or several at once
+    (`readouts_batch`).
 
     `backend` is an engine already loaded (else `choose_backend` loads one by `config`);
     `choices` how requests run on it (else those its capabilities give: `Choices.of`)."""
