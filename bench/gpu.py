@@ -381,15 +381,20 @@ def serve_command(m: Machine, args) -> dict:
         options = ["--url", f"{base_url()}/v1/systemone", "--suite", args.suite]
         options += ["--seed", str(args.seed), "--requests", str(args.requests)]
         options += ["--warm-up", str(args.warm_up), "--clients", args.clients]
-        options += ["--out", str(m.out / f"load-{args.suite}.json")]
+        options += ["--out", str(m.out / f"load-{run_name(args)}.json")]
         if args.questions:
             options += ["--questions", str(args.questions)]
         record["load_exit"] = load.main(options)
     finally:
         stop(server)
         record["server_log_tail"] = log_path.read_text(errors="replace")[-LOG_TAIL:]
-    m.save(f"serve-{args.suite}.json", record)
+    m.save(f"serve-{run_name(args)}.json", record)
     return record
+
+
+def run_name(args) -> str:
+    """A serve run's name in its records: the suite, and the questions where they are fixed."""
+    return args.suite + (f"-q{args.questions}" if args.questions else "")
 
 
 # -- command line ------------------------------------------------------------------------------

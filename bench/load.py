@@ -2,6 +2,8 @@
 of the traffic suite (or one bench workload); each posts one, reads the whole answer and posts
 the next. Reports requests/s, latency quantiles, and the worker's own seconds per request read
 from its `/metrics` before and after (execute: the GPU's share); every request's latency is kept.
+With several client counts, each request's answers (latency fields left out) must be the same
+bytes in every run: one client runs each request alone, more clients run them in batches.
 
 Standard library only (one HTTP/1.1 connection a client), so it runs where the worker does.
 """
@@ -9,6 +11,7 @@ Standard library only (one HTTP/1.1 connection a client), so it runs where the w
 from __future__ import annotations
 
 import argparse
+import hashlib
 import http.client
 import json
 import re
@@ -21,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench import traffic
+from bench.parity import without_latency
 from bench.workloads import bench_body, quantile
 
 CLIENTS = 8
@@ -53,15 +57,40 @@ class Client(threading.Thread):
             try:
                 connection.request("POST", self.path, self.bodies[index], headers)
                 response = connection.getresponse()
-                response.read()
+                payload = response.read()
                 status: int | str = response.status
             except (OSError, http.client.HTTPException) as error:
-                status = type(error).__name__
+                status, payload = type(error).__name__, b""
                 connection.close()
                 connection = self.connect()
             seconds = time.perf_counter() - started
-            self.records.append({"index": index, "status": status, "latency_ms": 1e3 * seconds})
+            record = {"index": index, "status": status, "latency_ms": 1e3 * seconds}
+            if status == 200:
+                record["answers"] = answers_digest(payload)
+            self.records.append(record)
         connection.close()
+
+
+def answers_digest(payload: bytes) -> str | None:
+    """SHA-256 of a native response's answers without their latency fields: what must be the
+    same bytes whether the request ran alone or batched with others (None: not a native
+    response)."""
+    try:
+        answers = without_latency(json.loads(payload))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return hashlib.sha256(json.dumps(answers, sort_keys=True).encode()).hexdigest()
+
+
+def differing_answers(reports: list[dict]) -> list[int]:
+    """The requests whose answers differ between the runs (one client: each alone; more: in
+    batches), where each of them was answered."""
+    seen: dict[int, set] = {}
+    for report in reports:
+        for record in report["records"]:
+            if record.get("answers") is not None:
+                seen.setdefault(record["index"], set()).add(record["answers"])
+    return sorted(index for index, digests in seen.items() if len(digests) > 1)
 
 
 def counter(count: int):
@@ -250,11 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(report)
     record = {"command": sys.argv, "suite": args.suite, "seed": args.seed, "runs": reports}
     record["held_out"] = args.held_out
+    differing = differing_answers(reports)
+    record["answers_differing"] = differing
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
     print(table(reports))
-    return 0 if all(r["ok"] == r["requests"] for r in reports) else 1
+    if len(reports) > 1:
+        verdict = f"no: {len(differing)} differ" if differing else "yes"
+        print(f"every answer the same bytes in each run ({args.clients} clients): {verdict}")
+    return 0 if all(r["ok"] == r["requests"] for r in reports) and not differing else 1
 
 
 if __name__ == "__main__":

@@ -125,3 +125,18 @@ def test_gpu_latency_runs_on_the_cpu_with_the_tiny_model(export_dir, tmp_path):
     assert record["environment"]["command"][1] == "latency"
     manifest = json.loads((work / "engines-tiny-float32" / "engines.json").read_text())
     assert manifest["dtype"] == "float32" and "torch" not in manifest  # no caches on the CPU
+
+
+def test_load_driver_finds_answers_that_differ_between_runs():
+    def answered(values: list[float]) -> dict:
+        records = []
+        for index, value in enumerate(values):
+            response = {"answers": {"q": {"noul": value, "latency_total_s": index * 0.1}}}
+            digest = load.answers_digest(json.dumps(response).encode())
+            records.append({"index": index, "status": 200, "answers": digest})
+        return {"records": records}
+
+    assert load.answers_digest(b"not json") is None
+    alone, batched = answered([0.25, 0.5, 0.75]), answered([0.25, 0.5001, 0.75])
+    assert load.differing_answers([alone, answered([0.25, 0.5, 0.75])]) == []
+    assert load.differing_answers([alone, batched]) == [1]

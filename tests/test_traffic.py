@@ -80,6 +80,9 @@ def test_every_traffic_request_is_answered_over_http(tmp_path):
         assert {tuple(r["size"]) for r in run["records"]} == set(traffic.SIZES)
         assert all(r["status"] == 200 and r["latency_ms"] > 0 for r in run["records"])
     assert {r["format"] for r in record["runs"][0]["records"]} == {"PNG", "JPEG"}
+    # every answer's digest, the same with one client and with three
+    assert all(len(r["answers"]) == 64 for run in record["runs"] for r in run["records"])
+    assert record["answers_differing"] == []
 
 
 def test_the_load_driver_sends_bench_requests_too():
