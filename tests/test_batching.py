@@ -247,3 +247,60 @@ def test_concurrent_requests_answer_as_each_alone_over_http(executor) -> None:
         )
     count, requests = (b - a for a, b in zip(warmed, served, strict=True))
     assert requests == len(bodies) and count < len(bodies), "no two requests shared a batch"
+
+
+# -- the plan of a merged batch -----------------------------------------------------------------
+
+
+def rows_of(work, fit: bool) -> dict:
+    """Each question's rows in a plan: (part, pass shape, tokens, positions, length) per row,
+    and the prefix each reads; question rows' sources too. Fitted passes have the rows they
+    hold, so there only a row's width counts (the engine keeps a row's bytes whatever the row
+    count: `Capabilities.rows_fit`)."""
+    made: dict = {}
+
+    def add(rows, members, part: str) -> None:
+        for row, member in enumerate(members):
+            qi = member if part == "question" else member[0]
+            shape, length = rows.shape[1 if fit else 0 :], int(rows.lengths[row])
+            seen = (part, shape, rows.input_ids[row].tobytes(), rows.positions[:, row].tobytes())
+            made.setdefault(qi, []).append((*seen, length))
+            made.setdefault(("prefix", qi), set()).add(int(rows.prefix_rows[row]))
+            if part == "question":
+                made.setdefault(("src", qi), set()).add(int(rows.src[row]))
+
+    for qp in work.questions:
+        add(qp.rows, qp.members, "question")
+    for op in work.options:
+        add(op.rows, op.members, "option")
+    for jp in work.joint:
+        add(jp.question.rows, jp.question.members, "question")
+        add(jp.options.rows, jp.options.members, "option")
+    return made
+
+
+@pytest.mark.parametrize("fit,joint", [(False, False), (True, True)])
+def test_a_merged_plan_gives_each_question_its_rows_alone(executor, fit, joint) -> None:
+    from runtime.batch import merged
+    from runtime.passes import QUESTION_ROWS, plan
+    from runtime.strict_json import parse_body
+
+    images = [pattern_png(320, 224), pattern_png(640, 480), pattern_png(320, 224)]
+    batch = [
+        executor.prepare(parse_body(request_body(image, questions, "image/png")))
+        for image, questions in zip(images, question_sets(), strict=False)
+    ]
+    request, firsts = merged(batch)
+    assert request.owners == (0,) * 1 + (1,) * 3 + (0,) * 12
+    assert len(firsts) == 2 and firsts[0] is batch[0] and firsts[1] is batch[1]
+    together = rows_of(plan(request, QUESTION_ROWS, fit, joint), fit)
+    at = 0
+    for prepared in batch:
+        alone = rows_of(plan(prepared, QUESTION_ROWS, fit, joint), fit)
+        for qi in range(len(prepared.layouts)):
+            owner = request.owners[at + qi]
+            # in joint plans a text runs again beside each pass of its options (runtime.passes.
+            # plan_joint), and options that share passes with others may be cut in more of them
+            assert sorted(set(together[at + qi])) == sorted(set(alone[qi]))
+            assert together[("prefix", at + qi)] == together[("src", at + qi)] == {owner}
+        at += len(prepared.layouts)
