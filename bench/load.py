@@ -134,24 +134,25 @@ def stage_seconds(url: str) -> dict[str, tuple[float, float]] | None:
     return {stage: (v.get("sum", 0.0), v.get("count", 0.0)) for stage, v in found.items()}
 
 
+def mean_between(before: dict, after: dict, name: str) -> float | None:
+    """The mean of histogram `name` over what it observed between the two readings."""
+    (s0, c0), (s1, c1) = before.get(name, (0.0, 0.0)), after.get(name, (0.0, 0.0))
+    return (s1 - s0) / (c1 - c0) if c1 > c0 else None
+
+
 def per_request_ms(before: dict | None, after: dict | None) -> dict[str, float] | None:
     """Each stage's mean milliseconds over the requests answered between the two readings."""
     if before is None or after is None:
         return None
-    means = {}
-    for stage in SERVER_STAGES:
-        (s0, c0), (s1, c1) = before.get(stage, (0.0, 0.0)), after.get(stage, (0.0, 0.0))
-        if c1 > c0:
-            means[stage] = 1e3 * (s1 - s0) / (c1 - c0)
-    return means
+    means = {stage: mean_between(before, after, stage) for stage in SERVER_STAGES}
+    return {stage: 1e3 * mean for stage, mean in means.items() if mean is not None}
 
 
 def requests_per_batch(before: dict | None, after: dict | None) -> float | None:
     """The mean requests of the batches the worker executed between the two readings."""
-    if not before or not after or BATCH_METRIC not in after:
+    if not before or not after:
         return None
-    (s0, c0), (s1, c1) = before.get(BATCH_METRIC, (0.0, 0.0)), after[BATCH_METRIC]
-    return (s1 - s0) / (c1 - c0) if c1 > c0 else None
+    return mean_between(before, after, BATCH_METRIC)
 
 
 def run_load(url: str, bodies: list[bytes], clients: int = CLIENTS) -> dict:

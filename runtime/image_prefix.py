@@ -45,9 +45,10 @@ class ImagePrefix:
         """(prefix, after prefix) states of an image and its prefix's pass: from the prefix
         cache, else the vision tower and the prefix pass enqueued (laps "vision", "prefix").
         `key`: their `prefix_key` where the preparation made it."""
-        if self.cache.size > 0 and key is None:
+        if self.cache.size == 0:
+            key = None
+        elif key is None:
             key = prefix_key(image, rows)
-        key = key if self.cache.size > 0 else None
         cached = self.cache.get(key) if key is not None else None
         if cached is not None:
             clock.lap("vision")
