@@ -6,9 +6,8 @@
 #   ray1     `omnijev serve --replicas 1`                      one GPU replica on Ray Serve
 #   ray2     `omnijev serve --replicas 2 --replica-gpus 0.5`   two replicas sharing the GPU
 # Records to OUTDIR (answers-*.json, load-*.json, server-*.log, ray.json), output to OUTDIR/log.txt.
-# The wheels travel first, one carry a call on the same warm machine (ignored folders stay):
-# .gpu-wheels/server and .gpu-wheels/torch (bench/wheels.sh), then .gpu-wheels/ray-a, ray-b and
-# ray-deps (bench/ray_wheels.sh), then this script:
+# Carry .gpu-wheels/server, .gpu-wheels/torch (bench/wheels.sh) and .gpu-wheels/raysite.tar.xz
+# (bench/ray_wheels.sh), about 57 MiB, in the same call:
 #   BENCH_COMMIT=<sha> bash bench/ray_h200.sh OUTDIR
 set -euo pipefail
 out=${1:?usage: bench/ray_h200.sh OUTDIR}
@@ -24,10 +23,7 @@ if [[ ! -d /tmp/fla/fla ]]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
 fi
 if [[ ! -d /tmp/site/ray ]]; then
-  wheel="/tmp/$(cat .gpu-wheels/ray-a/NAME)"
-  cat .gpu-wheels/ray-a/part-aa .gpu-wheels/ray-b/part-ab >"$wheel"
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheel" \
-    .gpu-wheels/ray-deps/*.whl
+  tar xJf .gpu-wheels/raysite.tar.xz -C /tmp/site
 fi
 export FLA_PATH=/tmp/fla PYTHONPATH=/tmp/site:/tmp/fla:$PWD PATH=/tmp/site/bin:$PATH
 export RAY_USAGE_STATS_ENABLED=0

