@@ -7,6 +7,7 @@ on the CPU with the tiny preset in float32.
     parity    float32 and BF16 engines, and the BF16 reference, against the float32 reference
     cold      process start to /health 200, with and without the engine directory's caches
     serve     `omnijev serve` (prefix cache off) under closed-loop HTTP load (bench.load)
+    batches   the traffic suite's requests alone and batched in process: bytes, times, builds
 
 Every setting is a RuntimeConfig or an `omnijev` option; nothing is patched.
 """
@@ -392,6 +393,18 @@ def serve_command(m: Machine, args) -> dict:
     return record
 
 
+def batches_command(m: Machine, args) -> dict:
+    from bench.batches import batches, table
+
+    build(m, args)
+    executor = executor_for(m, m.engines())
+    executor.answer(json.dumps(executor.warm_up_request()).encode())
+    record = {"environment": environment(), **batches(executor, args.seed, args.requests)}
+    m.save("batches.json", record)
+    print(table(record))
+    return record
+
+
 def run_name(args) -> str:
     """A serve run's name in its records: the suite, and the questions where they are fixed."""
     return args.suite + (f"-q{args.questions}" if args.questions else "")
@@ -411,6 +424,7 @@ COMMANDS = {
     "parity": parity_command,
     "cold": cold_command,
     "serve": serve_command,
+    "batches": batches_command,
     "reference-answers": reference_answers,
 }
 
@@ -428,7 +442,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--suite", choices=("traffic", "bench"), default="traffic")
     parser.add_argument("--clients", default="1,16", help="serve: client counts, in turn")
-    parser.add_argument("--requests", type=int, default=load.REQUESTS, help="serve: a run's")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=load.REQUESTS,
+        help="serve: a run's; batches: suite requests",
+    )
     parser.add_argument("--warm-up", type=int, default=0, help="serve: requests not counted")
     parser.add_argument("--questions", type=int, default=None, help="serve: questions each")
     parser.add_argument("--seed", type=int, default=0, help="serve: the traffic suite's")

@@ -1,0 +1,133 @@
+"""Batching across requests in process: the traffic suite's requests (and the bench's, which
+share one image) each alone and in the batches the worker's scheduler forms, their readouts
+compared byte for byte and their times and shape builds taken (`python -m bench.gpu batches`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from bench import traffic
+from bench.workloads import bench_bodies
+from runtime.strict_json import parse_body
+from server.admission import BATCH_MOST
+
+RUNS = 3  # timed runs of each request alone and of each batch (the first builds its shapes)
+
+
+def readout_bytes(readouts: list) -> list[bytes]:
+    """What a request's answers are made of, as bytes, one entry per question."""
+    return [
+        b"".join([r.zq.tobytes(), r.u.tobytes(), *(p.tobytes() for p in r.picked)])
+        + repr(r.first).encode()
+        for r in readouts
+    ]
+
+
+def largest_gap(a: list, b: list) -> float:
+    """The largest absolute difference between two requests' readouts (zq, u, log-probs)."""
+    gaps = [0.0]
+    for x, y in zip(a, b, strict=True):
+        gaps.append(float(np.abs(x.zq - y.zq).max()))
+        gaps.append(float(np.abs(x.u - y.u).max()) if x.u.size else 0.0)
+        gaps += [
+            float(np.abs(p - q).max()) for p, q in zip(x.picked, y.picked, strict=True) if p.size
+        ]
+    return max(gaps)
+
+
+def scheduled(executor, prepared: list) -> list[list[int]]:
+    """The batches the worker's scheduler takes from this queue, all waiting at once: the
+    oldest request and the next ones of its key while their shares fit BATCH_MOST."""
+    keyed = [executor.batch_key(p) for p in prepared]
+    left, batches = list(range(len(prepared))), []
+    while left:
+        head = left[0]
+        batch, total = [], 0.0
+        for i in left:
+            if keyed[i][0] == keyed[head][0] and total + keyed[i][1] <= BATCH_MOST:
+                batch.append(i)
+                total += keyed[i][1]
+        batches.append(batch)
+        left = [i for i in left if i not in batch]
+    return batches
+
+
+def timed(executor, call) -> tuple[list[float], list[int], object]:
+    """Milliseconds of RUNS calls, the shapes the backend built during each, the first's result."""
+    times, builds, result = [], [], None
+    for _ in range(RUNS):
+        before = executor.shape_builds()[0]
+        started = time.perf_counter()
+        made = call()
+        result = made if not times else result
+        times.append(1e3 * (time.perf_counter() - started))
+        builds.append(executor.shape_builds()[0] - before)
+    return times, builds, result
+
+
+def batches(executor, seed: int, count: int) -> dict:
+    """Each request alone (twice, and once with its prefix stacked twice, as a pass of two
+    prefixes reads it), then each scheduled batch of two or more, against those."""
+    bodies = [*bench_bodies().values(), *(traffic.request(seed, i).body for i in range(count))]
+    prepared = [executor.prepare(parse_body(body)) for body in bodies]
+    alone, record = [], {"requests": [], "batches": []}
+    for p in prepared:
+        times, builds, first = timed(executor, lambda p=p: executor.readouts(p))
+        again = executor.readouts(p)
+        stacked = executor.readouts(p, images=[p, p])
+        alone.append(first)
+        record["requests"].append(
+            {
+                "questions": len(p.layouts),
+                "ms": times,
+                "builds": builds,
+                "repeatable": readout_bytes(again) == readout_bytes(first),
+                "two_prefixes_same": readout_bytes(stacked) == readout_bytes(first),
+                "two_prefixes_gap": largest_gap(stacked, first),
+            }
+        )
+    for batch in scheduled(executor, prepared):
+        if len(batch) < 2:
+            continue
+        members = [prepared[i] for i in batch]
+        times, builds, together = timed(executor, lambda m=members: executor.readouts_batch(m))
+        record["batches"].append(
+            {
+                "requests": batch,
+                "images": len({p.image_key for p in members}),
+                "ms": times,
+                "alone_ms": sum(statistics.median(record["requests"][i]["ms"]) for i in batch),
+                "builds": builds,
+                "same": [
+                    readout_bytes(t) == readout_bytes(alone[i])
+                    for i, t in zip(batch, together, strict=True)
+                ],
+                "gap": max(largest_gap(t, alone[i]) for i, t in zip(batch, together, strict=True)),
+            }
+        )
+    return record
+
+
+def table(record: dict) -> str:
+    """One line a batch: its requests, images, times against the sum alone, bytes the same."""
+    lines = [
+        "| requests | images | first ms | warm ms | alone ms (sum) | builds | same bytes | gap |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for b in record["batches"]:
+        same = sum(b["same"])
+        lines.append(
+            f"| {b['requests']} | {b['images']} | {b['ms'][0]:.1f} | "
+            f"{statistics.median(b['ms'][1:]):.1f} | {b['alone_ms']:.1f} | {b['builds']} | "
+            f"{same}/{len(b['same'])} | {b['gap']:.2g} |"
+        )
+    requests = record["requests"]
+    repeatable = sum(r["repeatable"] for r in requests)
+    two = sum(r["two_prefixes_same"] for r in requests)
+    gap = max(r["two_prefixes_gap"] for r in requests)
+    lines.append(f"alone twice, the same bytes: {repeatable}/{len(requests)}")
+    lines.append(f"its prefix stacked twice, the same bytes: {two}/{len(requests)} (gap {gap:.2g})")
+    return "\n".join(lines)
