@@ -73,12 +73,13 @@ def batches(executor, seed: int, count: int) -> dict:
     prefixes reads it), then each scheduled batch of two or more, against those."""
     bodies = [*bench_bodies().values(), *(traffic.request(seed, i).body for i in range(count))]
     prepared = [executor.prepare(parse_body(body)) for body in bodies]
-    alone, record = [], {"requests": [], "batches": []}
+    alone, stacks, record = [], [], {"requests": [], "batches": []}
     for p in prepared:
         times, builds, first = timed(executor, lambda p=p: executor.readouts(p))
         again = executor.readouts(p)
         stacked = executor.readouts(p, images=[p, p])
         alone.append(first)
+        stacks.append(stacked)
         record["requests"].append(
             {
                 "questions": len(p.layouts),
@@ -106,6 +107,10 @@ def batches(executor, seed: int, count: int) -> dict:
                     for i, t in zip(batch, together, strict=True)
                 ],
                 "gap": max(largest_gap(t, alone[i]) for i, t in zip(batch, together, strict=True)),
+                "same_as_stacked": [
+                    readout_bytes(t) == readout_bytes(stacks[i])
+                    for i, t in zip(batch, together, strict=True)
+                ],
             }
         )
     return record
@@ -114,15 +119,17 @@ def batches(executor, seed: int, count: int) -> dict:
 def table(record: dict) -> str:
     """One line a batch: its requests, images, times against the sum alone, bytes the same."""
     lines = [
-        "| requests | images | first ms | warm ms | alone ms (sum) | builds | same bytes | gap |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |",
+        "| requests | images | first ms | warm ms | alone ms (sum) | builds | same bytes | gap "
+        "| as stacked alone |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |",
     ]
     for b in record["batches"]:
         same = sum(b["same"])
         lines.append(
             f"| {b['requests']} | {b['images']} | {b['ms'][0]:.1f} | "
             f"{statistics.median(b['ms'][1:]):.1f} | {b['alone_ms']:.1f} | {b['builds']} | "
-            f"{same}/{len(b['same'])} | {b['gap']:.2g} |"
+            f"{same}/{len(b['same'])} | {b['gap']:.2g} | "
+            f"{sum(b['same_as_stacked'])}/{len(b['same'])} |"
         )
     requests = record["requests"]
     repeatable = sum(r["repeatable"] for r in requests)
