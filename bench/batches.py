@@ -11,19 +11,11 @@ import numpy as np
 
 from bench import traffic
 from bench.workloads import bench_bodies
+from runtime.batch import readout_bytes
 from runtime.strict_json import parse_body
 from server.admission import BATCH_MOST
 
 RUNS = 3  # timed runs of each request alone and of each batch (the first builds its shapes)
-
-
-def readout_bytes(readouts: list) -> list[bytes]:
-    """What a request's answers are made of, as bytes, one entry per question."""
-    return [
-        b"".join([r.zq.tobytes(), r.u.tobytes(), *(p.tobytes() for p in r.picked)])
-        + repr(r.first).encode()
-        for r in readouts
-    ]
 
 
 def largest_gap(a: list, b: list) -> float:

@@ -399,8 +399,10 @@ def batches_command(m: Machine, args) -> dict:
     build(m, args)
     executor = executor_for(m, m.engines())
     executor.answer(json.dumps(executor.warm_up_request()).encode())
-    record = {"environment": environment(), **batches(executor, args.seed, args.requests)}
+    record = {"environment": environment(), "check_batches": executor.check_batches()}
+    record.update(batches(executor, args.seed, args.requests))
     m.save("batches.json", record)
+    print(f"the batch check before ready: merges {record['check_batches']}")
     print(table(record))
     return record
 

@@ -4,13 +4,30 @@ reading its own image's prefix, and each request gets back its own questions' re
 Exact by the planner's rule (runtime.passes): the shape a question runs in, and its rows' bytes,
 never depend on the other questions; and a row reads its image prefix by its index
 (`Pass.prefix_rows`), the same keys and values as alone. So a question's readouts are the same
-bytes whether its request ran alone or with others.
+bytes whether its request ran alone or with others, where the backend's kernels keep that rule on
+the machine: `same_readouts` is what the executor checks before it merges any
+(`Executor.check_batches`).
 """
 
 from __future__ import annotations
 
 from runtime.contract import MAX_QUESTIONS, MAX_ROWS
 from runtime.types import Prepared
+
+
+def readout_bytes(readouts: list) -> list[bytes]:
+    """What each question's answer is made of (`QuestionReadout`: zq, u, the picked
+    log-probabilities, the first tokens'), as bytes."""
+    return [
+        b"".join([r.zq.tobytes(), r.u.tobytes(), *(p.tobytes() for p in r.picked)])
+        + repr(r.first).encode()
+        for r in readouts
+    ]
+
+
+def same_readouts(a: list, b: list) -> bool:
+    """Whether two runs of one request gave its questions the same readout bytes."""
+    return readout_bytes(a) == readout_bytes(b)
 
 
 def batch_size(prepared: Prepared, prefixes: int = 1) -> float:

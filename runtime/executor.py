@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from runtime.backends import Backend, choose_backend
-from runtime.batch import batch_size, merged, split
+from runtime.batch import batch_size, merged, same_readouts, split
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
 from runtime.image_prefix import ImagePrefix, prefix_key
@@ -38,7 +38,7 @@ from runtime.run_passes import (
     stack_prefixes,
 )
 from runtime.types import Prepared, QuestionReadout
-from runtime.warm_up import warm_up_request
+from runtime.warm_up import warm_up_companion, warm_up_request
 
 log = logging.getLogger("omnijev.executor")
 
@@ -115,6 +115,7 @@ class Executor:
             log.warning("heads: the MLPs behind the passes fail the check, not used")
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
         self.stage_sync = None  # a callable that waits for the device: per-stage device time
+        self.merges = True  # requests may run as one batch (`check_batches` may turn it off)
 
     # -- a request, top to bottom ---------------------------------------------------------
 
@@ -178,8 +179,10 @@ class Executor:
         `Capabilities.prefixes`), those whose image prefixes have one pass shape, else those
         about one image prefix; a request's share of a batch (`runtime.batch.batch_size`)."""
         prefixes = self.backend.capabilities.prefixes
-        if prefixes > 1:
-            key: object = ("prefix shape", self.work_of(prepared).prefix.shape)
+        if not self.merges:
+            key: object = None
+        elif prefixes > 1:
+            key = ("prefix shape", self.work_of(prepared).prefix.shape)
         else:
             key = prepared.image_key
         return key, batch_size(prepared, prefixes)
@@ -190,6 +193,21 @@ class Executor:
         if len(batch) == 1:
             return [self.readouts(batch[0])]
         return split(self.readouts(*merged(batch)), batch)
+
+    def check_batches(self) -> bool:
+        """Whether requests may run as one batch here: the warm-up request and its companion
+        (another image, the same shapes) give the same readout bytes together as each alone.
+        Kernels that follow a pass's shape on this machine fail it, and every request then runs
+        alone (`batch_key` gives None). Builds a batch's shapes before the first client."""
+        two = self.backend.capabilities.prefixes > 1  # else two requests about one image
+        pair = [warm_up_request(), warm_up_companion() if two else warm_up_request()]
+        pair = [self.prepare(body) for body in pair]
+        alone = [self.readouts(prepared) for prepared in pair]
+        together = self.readouts_batch(pair)
+        self.merges = all(map(same_readouts, alone, together))
+        if not self.merges:
+            log.warning("a batch changed the warm-up's readout bytes: every request runs alone")
+        return self.merges
 
     def readouts(
         self, prepared: Prepared, images: list[Prepared] | None = None

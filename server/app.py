@@ -36,7 +36,6 @@ from runtime import config as settings
 from runtime.errors import BodyError, ContractError
 from runtime.strict_json import parse_body
 from runtime.types import Prepared
-from runtime.warm_up import warm_up_companion
 from server import memory
 from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
 from server.formats import NATIVE, FormatError, Translation, Wire, decisions, typesafe, unchanged
@@ -105,7 +104,8 @@ class Engine(Protocol):
     # the key of the requests it may run as one batch (None: alone) and the request's share of
     # a batch (runtime.executor.Executor.batch_key); and `respond(prepared, readouts, seconds)`,
     # heads and finishing (`seconds`: the passes' time), which the worker runs beside the next
-    # batch's passes (`Worker.execute`)
+    # batch's passes (`Worker.execute`); `check_batches()`, run before ready, whether batches
+    # keep the readout bytes here (False: `batch_key` gives None from then on)
     splits: bool
 
     def prepare(self, obj: dict) -> Prepared:
@@ -415,18 +415,15 @@ class Worker:
             await self._warm_up_batch()
 
     async def _warm_up_batch(self) -> None:
-        """The warm-up request and its companion (runtime.warm_up), prepared, then executed at
-        once: they reach the execution queue together and run as one batch, whose shapes (two
-        image prefixes a pass) are then built before ready."""
+        """The engine's batch check (`Executor.check_batches`) on the execution thread: the
+        warm-up request with its companion as one batch, whose shapes are then built before
+        ready, and against each alone; requests run alone where the bytes differ."""
         start = time.perf_counter()
-        bodies = [None, warm_up_companion()]
-        tickets = [Ticket() for _ in bodies]
-        prepared = [
-            await self.scheduler.prepare(ticket, self._prepare_warm_up, body)
-            for ticket, body in zip(tickets, bodies, strict=True)
-        ]
-        await asyncio.gather(*map(self.execute, tickets, prepared))
-        log.info("warm-up batch in %.3f s", time.perf_counter() - start)
+        merges = await self.scheduler.execute(Ticket(), self._check_batches, None)
+        log.info("warm-up batch in %.3f s, merges %s", time.perf_counter() - start, merges)
+
+    def _check_batches(self, _: None) -> bool:
+        return self.engine.check_batches()  # type: ignore[attr-defined]
 
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)

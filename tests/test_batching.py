@@ -183,6 +183,31 @@ def test_batched_readouts_are_the_bytes_of_each_request_alone(engines, executor,
         assert without_latency(answers) == without_latency(executor.execute(prepared))
 
 
+def test_a_batch_that_changes_a_byte_makes_every_request_run_alone(engines, executor) -> None:
+    """The batch check before ready: an executor whose batches keep the bytes merges requests;
+    one whose batched readouts differ by one ulp (as kernels that follow a pass's shape would)
+    runs every request alone from then on."""
+    import numpy as np
+
+    from runtime.config import RuntimeConfig
+    from runtime.executor import Executor
+    from runtime.strict_json import parse_body
+
+    class Drifting(Executor):
+        def readouts_batch(self, batch):
+            made = super().readouts_batch(batch)
+            if len(batch) > 1:
+                made[-1][0].zq = np.nextafter(made[-1][0].zq, np.float32(np.inf))
+            return made
+
+    assert executor.check_batches() and executor.merges
+    drifting = Drifting(engines[0], engines[1], RuntimeConfig(backend="onnxruntime"))
+    body = parse_body(request_body(pattern_png(320, 224), gate_questions(), "image/png"))
+    assert drifting.batch_key(drifting.prepare(body))[0] is not None
+    assert drifting.check_batches() is False
+    assert drifting.batch_key(drifting.prepare(body))[0] is None
+
+
 def test_requests_batch_by_their_image_prefix_shape(executor) -> None:
     """Where a pass reads several image prefixes (ONNX Runtime's do), requests whose image
     prefixes have one pass shape share a key, whatever their images."""
@@ -238,8 +263,8 @@ def test_concurrent_requests_answer_as_each_alone_over_http(executor) -> None:
             together = list(pool.map(post, bodies))
         served = batches()
         alone = [post(body) for body in bodies]
-    # the warm-up: its request alone, then with its companion as one batch
-    assert warmed == (2, 3)
+    # the warm-up: its request alone, then the batch check (the request with its companion)
+    assert warmed == (2, 2) and executor.merges
     assert [r.status_code for r in together] == [200] * len(bodies)
     for batched, single in zip(together, alone, strict=True):
         assert json.dumps(without_latency(batched.json())) == json.dumps(
