@@ -435,9 +435,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     parser.add_argument("command", choices=COMMANDS)
     parser.add_argument("--tiny", action="store_true", help="the tiny preset, float32, CPU")
-    parser.add_argument(
-        "--preset", choices=("4b", "tiny"), default="4b", help="the GPU's checkpoint (BF16)"
-    )
     parser.add_argument("--work", type=Path, default=WORK, help="checkpoints and engines")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", OUT)))
     parser.add_argument("--runs", type=int, default=RUNS, help="latency: warm runs a workload")
@@ -469,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         m = Machine("tiny", "cpu", "float32", args.work, args.out)
     else:
-        m = Machine(args.preset, "cuda", "bfloat16", args.work, args.out)
+        m = Machine("4b", "cuda", "bfloat16", args.work, args.out)
     m.work.mkdir(parents=True, exist_ok=True)
     record = COMMANDS[args.command](m, args)
     return 1 if isinstance(record, dict) and record.get("load_exit") else 0
