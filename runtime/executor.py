@@ -115,7 +115,9 @@ class Executor:
             log.warning("heads: the MLPs behind the passes fail the check, not used")
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
         self.stage_sync = None  # a callable that waits for the device: per-stage device time
-        self.merges = True  # requests may run as one batch (`check_batches` may turn it off)
+        # requests may run as one batch where the backend's batches keep the bytes
+        # (`Capabilities.merges`), unless `check_batches` finds otherwise on this machine
+        self.merges = self.backend.capabilities.merges
 
     # -- a request, top to bottom ---------------------------------------------------------
 
@@ -199,6 +201,8 @@ class Executor:
         (another image, the same shapes) give the same readout bytes together as each alone.
         Kernels that follow a pass's shape on this machine fail it, and every request then runs
         alone (`batch_key` gives None). Builds a batch's shapes before the first client."""
+        if not self.merges:
+            return False
         two = self.backend.capabilities.prefixes > 1  # else two requests about one image
         pair = [warm_up_request(), warm_up_companion() if two else warm_up_request()]
         pair = [self.prepare(body) for body in pair]

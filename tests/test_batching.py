@@ -186,7 +186,10 @@ def test_batched_readouts_are_the_bytes_of_each_request_alone(engines, executor,
 def test_a_batch_that_changes_a_byte_makes_every_request_run_alone(engines, executor) -> None:
     """The batch check before ready: an executor whose batches keep the bytes merges requests;
     one whose batched readouts differ by one ulp (as kernels that follow a pass's shape would)
-    runs every request alone from then on."""
+    runs every request alone from then on, as does one whose backend does not declare its
+    batches exact."""
+    from dataclasses import replace
+
     import numpy as np
 
     from runtime.config import RuntimeConfig
@@ -206,6 +209,11 @@ def test_a_batch_that_changes_a_byte_makes_every_request_run_alone(engines, exec
     assert drifting.batch_key(drifting.prepare(body))[0] is not None
     assert drifting.check_batches() is False
     assert drifting.batch_key(drifting.prepare(body))[0] is None
+    # a backend that does not declare its batches exact (a GPU's, today) is never batched
+    backend = drifting.backend
+    backend.capabilities = replace(backend.capabilities, merges=False)
+    held = Executor(engines[0], engines[1], RuntimeConfig(backend="onnxruntime"), backend=backend)
+    assert held.batch_key(held.prepare(body))[0] is None and held.check_batches() is False
 
 
 def test_requests_batch_by_their_image_prefix_shape(executor) -> None:

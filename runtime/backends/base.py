@@ -41,6 +41,11 @@ class Capabilities:
     # and the TensorRT plans' profiles take up to MAX_PREFIXES, which the portable engines
     # therefore declare
     prefixes: int = MAX_PREFIXES
+    # requests of several clients may share passes (runtime.batch): shown to keep every answer's
+    # bytes on this backend and device. On the CPU they are (tests/test_batching.py); the torch
+    # backend's batches on a GPU changed answers (docs/performance.md), and the portable engines'
+    # on a GPU were never measured, so requests run alone there
+    merges: bool = False
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -237,6 +237,7 @@ class OrtBackend(Portable):
             self.device = torch.device("cuda", torch.cuda.current_device())
         threads = config.ort_threads or None
         on_gpu = self.device.type == "cuda"
+        self.capabilities = replace(Portable.capabilities, merges=not on_gpu)
         # CUDA graphs wherever the device has them: answers identical to the dynamic sessions',
         # byte for byte, and every workload faster
         cuda_graphs = on_gpu
