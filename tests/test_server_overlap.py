@@ -41,6 +41,9 @@ class SplitEngine(RealishEngine):
     def batch_key(self, prepared: Prepared) -> tuple[None, float]:
         return None, 1.0  # every request alone
 
+    def check_batches(self) -> bool:
+        return False
+
     def readouts_batch(self, batch: list[Prepared]) -> list[list[int]]:
         (prepared,) = batch
         self.record("readouts", prepared)
