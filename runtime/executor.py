@@ -203,9 +203,7 @@ class Executor:
         alone (`batch_key` gives None). Builds a batch's shapes before the first client."""
         if not self.merges:
             return False
-        two = self.backend.capabilities.prefixes > 1  # else two requests about one image
-        pair = [warm_up_request(), warm_up_companion() if two else warm_up_request()]
-        pair = [self.prepare(body) for body in pair]
+        pair = [self.prepare(warm_up_request()), self.prepare(warm_up_companion())]
         alone = [self.readouts(prepared) for prepared in pair]
         together = self.readouts_batch(pair)
         self.merges = all(map(same_readouts, alone, together))
