@@ -11,7 +11,7 @@ import numpy as np
 
 from bench import traffic
 from bench.workloads import bench_bodies
-from runtime.batch import readout_bytes
+from runtime.batch import batch_size, readout_bytes
 from runtime.strict_json import parse_body
 from server.admission import BATCH_MOST
 
@@ -31,17 +31,20 @@ def largest_gap(a: list, b: list) -> float:
 
 
 def scheduled(executor, prepared: list) -> list[list[int]]:
-    """The batches the worker's scheduler takes from this queue, all waiting at once: the
-    oldest request and the next ones of its key while their shares fit BATCH_MOST."""
-    keyed = [executor.batch_key(p) for p in prepared]
+    """The batches the worker's scheduler would take from this queue, all waiting at once,
+    were the backend's batches declared exact (`Capabilities.merges`): the oldest request and
+    the next ones of its image prefix's pass shape while their shares fit BATCH_MOST."""
+    prefixes = executor.backend.capabilities.prefixes
+    keys = [executor.work_of(p).prefix.shape for p in prepared]
+    sizes = [batch_size(p, prefixes) for p in prepared]
     left, batches = list(range(len(prepared))), []
     while left:
         head = left[0]
         batch, total = [], 0.0
         for i in left:
-            if keyed[i][0] == keyed[head][0] and total + keyed[i][1] <= BATCH_MOST:
+            if keys[i] == keys[head] and total + sizes[i] <= BATCH_MOST:
                 batch.append(i)
-                total += keyed[i][1]
+                total += sizes[i]
         batches.append(batch)
         left = [i for i in left if i not in batch]
     return batches

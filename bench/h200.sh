@@ -24,7 +24,7 @@ step() {
 step build
 step latency --runs 20
 step serve --suite traffic --clients 1,16 --requests 160 --warm-up 32
-# the two request sizes across clients (batching across requests: 1 and 12 questions)
+# the two request sizes, 12 and 1 questions, at 1 and 16 clients
 step serve --suite traffic --clients 1,16 --requests 64 --questions 12 --warm-up 16
 step serve --suite traffic --clients 1,16 --requests 64 --questions 1 --warm-up 16
 echo "[$(date +%T), ${SECONDS} s] done" | tee -a "$out/log.txt"
