@@ -4,12 +4,14 @@ compared byte for byte and their times and shape builds taken (`python -m bench.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
 import numpy as np
 
 from bench import traffic
+from bench.parity import without_latency
 from bench.workloads import bench_bodies
 from runtime.batch import batch_size, readout_bytes
 from runtime.strict_json import parse_body
@@ -28,6 +30,11 @@ def largest_gap(a: list, b: list) -> float:
             float(np.abs(p - q).max()) for p, q in zip(x.picked, y.picked, strict=True) if p.size
         ]
     return max(gaps)
+
+
+def answer(executor, prepared, readouts: list) -> str:
+    """The request's answers from these readouts (heads and finishing), latency fields aside."""
+    return json.dumps(without_latency(executor.respond(prepared, readouts, 0.0)), sort_keys=True)
 
 
 def scheduled(executor, prepared: list) -> list[list[int]]:
@@ -106,6 +113,11 @@ def batches(executor, seed: int, count: int) -> dict:
                     readout_bytes(t) == readout_bytes(stacks[i])
                     for i, t in zip(batch, together, strict=True)
                 ],
+                # the heads and finishing too: readouts the same, answers other would point there
+                "same_answers": [
+                    answer(executor, prepared[i], t) == answer(executor, prepared[i], alone[i])
+                    for i, t in zip(batch, together, strict=True)
+                ],
             }
         )
     return record
@@ -115,8 +127,8 @@ def table(record: dict) -> str:
     """One line a batch: its requests, images, times against the sum alone, bytes the same."""
     lines = [
         "| requests | images | first ms | warm ms | alone ms (sum) | builds | same bytes | gap "
-        "| as stacked alone |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- |",
+        "| as stacked alone | same answers |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- |",
     ]
     for b in record["batches"]:
         same = sum(b["same"])
@@ -124,7 +136,8 @@ def table(record: dict) -> str:
             f"| {b['requests']} | {b['images']} | {b['ms'][0]:.1f} | "
             f"{statistics.median(b['ms'][1:]):.1f} | {b['alone_ms']:.1f} | {b['builds']} | "
             f"{same}/{len(b['same'])} | {b['gap']:.2g} | "
-            f"{sum(b['same_as_stacked'])}/{len(b['same'])} |"
+            f"{sum(b['same_as_stacked'])}/{len(b['same'])} | "
+            f"{sum(b['same_answers'])}/{len(b['same'])} |"
         )
     requests = record["requests"]
     repeatable = sum(r["repeatable"] for r in requests)

@@ -348,4 +348,5 @@ def test_the_batch_measurement_finds_every_byte_kept_where_it_is(executor) -> No
     assert all(r["repeatable"] and r["two_prefixes_same"] for r in record["requests"])
     assert record["batches"] and all(all(b["same"]) for b in record["batches"])
     assert all(b["gap"] == 0 and all(b["same_as_stacked"]) for b in record["batches"])
+    assert all(all(b["same_answers"]) for b in record["batches"])
     assert "same bytes" in table(record)
