@@ -13,7 +13,7 @@ import numpy as np
 from bench import traffic
 from bench.parity import without_latency
 from bench.workloads import bench_bodies
-from runtime.batch import batch_size, readout_bytes
+from runtime.batch import batch_size, same_readouts
 from runtime.strict_json import parse_body
 from server.admission import BATCH_MOST
 
@@ -59,15 +59,14 @@ def scheduled(executor, prepared: list) -> list[list[int]]:
 
 def timed(executor, call) -> tuple[list[float], list[int], object]:
     """Milliseconds of RUNS calls, the shapes the backend built during each, the first's result."""
-    times, builds, result = [], [], None
+    times, builds, results = [], [], []
     for _ in range(RUNS):
         before = executor.shape_builds()[0]
         started = time.perf_counter()
-        made = call()
-        result = made if not times else result
+        results.append(call())
         times.append(1e3 * (time.perf_counter() - started))
         builds.append(executor.shape_builds()[0] - before)
-    return times, builds, result
+    return times, builds, results[0]
 
 
 def batches(executor, seed: int, count: int) -> dict:
@@ -87,8 +86,8 @@ def batches(executor, seed: int, count: int) -> dict:
                 "questions": len(p.layouts),
                 "ms": times,
                 "builds": builds,
-                "repeatable": readout_bytes(again) == readout_bytes(first),
-                "two_prefixes_same": readout_bytes(stacked) == readout_bytes(first),
+                "repeatable": same_readouts(again, first),
+                "two_prefixes_same": same_readouts(stacked, first),
                 "two_prefixes_gap": largest_gap(stacked, first),
             }
         )
@@ -97,6 +96,7 @@ def batches(executor, seed: int, count: int) -> dict:
             continue
         members = [prepared[i] for i in batch]
         times, builds, together = timed(executor, lambda m=members: executor.readouts_batch(m))
+        pairs = list(zip(batch, together, strict=True))  # (request, its readouts batched)
         record["batches"].append(
             {
                 "requests": batch,
@@ -104,19 +104,13 @@ def batches(executor, seed: int, count: int) -> dict:
                 "ms": times,
                 "alone_ms": sum(statistics.median(record["requests"][i]["ms"]) for i in batch),
                 "builds": builds,
-                "same": [
-                    readout_bytes(t) == readout_bytes(alone[i])
-                    for i, t in zip(batch, together, strict=True)
-                ],
-                "gap": max(largest_gap(t, alone[i]) for i, t in zip(batch, together, strict=True)),
-                "same_as_stacked": [
-                    readout_bytes(t) == readout_bytes(stacks[i])
-                    for i, t in zip(batch, together, strict=True)
-                ],
+                "same": [same_readouts(t, alone[i]) for i, t in pairs],
+                "gap": max(largest_gap(t, alone[i]) for i, t in pairs),
+                "same_as_stacked": [same_readouts(t, stacks[i]) for i, t in pairs],
                 # the heads and finishing too: readouts the same, answers other would point there
                 "same_answers": [
                     answer(executor, prepared[i], t) == answer(executor, prepared[i], alone[i])
-                    for i, t in zip(batch, together, strict=True)
+                    for i, t in pairs
                 ],
             }
         )
