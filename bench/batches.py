@@ -81,9 +81,13 @@ def batches(executor, seed: int, count: int) -> dict:
         stacked = executor.readouts(p, images=[p, p])
         alone.append(first)
         stacks.append(stacked)
+        work = executor.work_of(p)
         record["requests"].append(
             {
                 "questions": len(p.layouts),
+                "rows": sum(len(layout.rows) for layout in p.layouts),
+                "prefix_tokens": work.prefix_length,
+                "passes": len(work.questions) + len(work.options) + len(work.joint),
                 "ms": times,
                 "builds": builds,
                 "repeatable": same_readouts(again, first),
@@ -139,4 +143,20 @@ def table(record: dict) -> str:
     gap = max(r["two_prefixes_gap"] for r in requests)
     lines.append(f"alone twice, the same bytes: {repeatable}/{len(requests)}")
     lines.append(f"its prefix stacked twice, the same bytes: {two}/{len(requests)} (gap {gap:.2g})")
+    return "\n".join(lines)
+
+
+def requests_table(record: dict) -> str:
+    """One line a request alone: what it asks, its passes, its times and builds."""
+    lines = [
+        "| request | questions | rows | prefix tokens | passes | first ms | warm ms | builds "
+        "| again same | two prefixes same |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for i, r in enumerate(record["requests"]):
+        lines.append(
+            f"| {i} | {r['questions']} | {r['rows']} | {r['prefix_tokens']} | {r['passes']} | "
+            f"{r['ms'][0]:.1f} | {statistics.median(r['ms'][1:]):.1f} | {r['builds']} | "
+            f"{r['repeatable']} | {r['two_prefixes_same']} |"
+        )
     return "\n".join(lines)

@@ -8,6 +8,7 @@ on the CPU with the tiny preset in float32.
     cold      process start to /health 200, with and without the engine directory's caches
     serve     `omnijev serve` (prefix cache off) under closed-loop HTTP load (bench.load)
     batches   the traffic suite's requests alone and batched in process: bytes, times, builds
+    sizes     the first request about each of 10 image sizes not warmed, against it warm
 
 Every setting is a RuntimeConfig or an `omnijev` option; nothing is patched.
 """
@@ -394,7 +395,7 @@ def serve_command(m: Machine, args) -> dict:
 
 
 def batches_command(m: Machine, args) -> dict:
-    from bench.batches import batches, table
+    from bench.batches import batches, requests_table, table
 
     build(m, args)
     executor = executor_for(m, m.engines())
@@ -403,6 +404,22 @@ def batches_command(m: Machine, args) -> dict:
     record.update(batches(executor, args.seed, args.requests))
     m.save("batches.json", record)
     print(f"the batch check before ready: merges {record['check_batches']}")
+    print(requests_table(record))
+    print(table(record))
+    return record
+
+
+def sizes_command(m: Machine, args) -> dict:
+    from bench.sizes import sizes, table
+
+    build(m, args)
+    executor = executor_for(m, m.engines())
+    for body in warm_bodies(m):  # the worker's warm-up: each twice, so its graphs are captured
+        executor.answer(body)
+        executor.answer(body)
+    record = {"environment": environment(), "warm_builds": executor.shape_builds()}
+    record.update(sizes(executor, args.seed, args.questions))
+    m.save(f"sizes{'-q' + str(args.questions) if args.questions else ''}.json", record)
     print(table(record))
     return record
 
@@ -427,6 +444,7 @@ COMMANDS = {
     "cold": cold_command,
     "serve": serve_command,
     "batches": batches_command,
+    "sizes": sizes_command,
     "reference-answers": reference_answers,
 }
 
@@ -451,7 +469,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve: a run's; batches: suite requests",
     )
     parser.add_argument("--warm-up", type=int, default=0, help="serve: requests not counted")
-    parser.add_argument("--questions", type=int, default=None, help="serve: questions each")
+    parser.add_argument("--questions", type=int, default=None, help="serve, sizes: questions each")
     parser.add_argument("--seed", type=int, default=0, help="serve: the traffic suite's")
     parser.add_argument("--answers", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ from bench import hostprofile, hoststages, load
 from bench.latency import median_ms
 from bench.workloads import body, encode, pattern_image
 from tests.checkpoint_fixtures import copy_export
+from tests.engine_fixtures import tiny_engines
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,3 +141,25 @@ def test_load_driver_finds_answers_that_differ_between_runs():
     alone, batched = answered([0.25, 0.5, 0.75]), answered([0.25, 0.5001, 0.75])
     assert load.differing_answers([alone, answered([0.25, 0.5, 0.75])]) == []
     assert load.differing_answers([alone, batched]) == [1]
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    from runtime.executor import load_engine
+
+    checkpoint, engines = tiny_engines(tmp_path_factory)
+    return load_engine(str(checkpoint), str(engines), "onnxruntime")
+
+
+def test_the_unseen_sizes_measurement_times_first_and_warm_requests(executor):
+    """`bench.gpu sizes` on the CPU: each size's first request and its warm runs are timed,
+    with the shape builds the first made (none on the CPU: nothing is captured there)."""
+    from bench.sizes import UNSEEN, sizes, table
+
+    record = sizes(executor, 0, 1, count=2, runs=2)
+    assert [r["size"] for r in record["rows"]] == [list(s) for s in UNSEEN[:2]]
+    for row in record["rows"]:
+        assert row["questions"] == 1 and len(row["warm_ms"]) == 2
+        assert row["ratio"] == pytest.approx(row["first_ms"] / statistics.median(row["warm_ms"]))
+        assert row["builds"] == 0
+    assert "| 1080×2400 |" in table(record)
