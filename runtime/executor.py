@@ -22,7 +22,7 @@ import torch
 from runtime.backends import Backend, choose_backend
 from runtime.batch import batch_size, merged, same_readouts, split
 from runtime.config import RuntimeConfig
-from runtime.constants import IMAGE_PAD_ID, MODEL_ID
+from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.passes import Plan, batch_bucket, early_heads_fit, finished_by_joint, plan
@@ -41,13 +41,6 @@ from runtime.types import Prepared, QuestionReadout
 from runtime.warm_up import warm_up_companion, warm_up_request
 
 log = logging.getLogger("omnijev.executor")
-
-# image prefixes every language-model pass reads, where the backend takes several: compiled, a
-# pass of one prefix is traced with that size fixed at 1 and gets other kernels than a pass of
-# several, which moved every request's readouts by up to 0.17 (H100, BF16); from two on the bytes
-# no longer follow the count, so a request alone reads its prefix twice and has the bytes it has
-# in any batch (docs/measurements/h100-2026-12-06)
-MIN_PREFIXES = 2
 
 
 class Executor:
@@ -261,12 +254,11 @@ class Executor:
         made = [
             self.prefix.states(p.image, self.work_of(p).prefix, clock, p.image_key) for p in images
         ]
-        most = self.backend.capabilities.prefixes
-        if most == 1:
+        if len(made) == 1:
             return made[0]
         # a pass's shape includes its prefix count, and each shape is a CUDA graph of its own:
         # counts of a power of two (the first prefix again, which no row reads) keep them few
-        made += [made[0]] * (batch_bucket(max(len(made), MIN_PREFIXES), most) - len(made))
+        made += [made[0]] * (batch_bucket(len(made), MAX_PREFIXES) - len(made))
         return stack_prefixes([m[0] for m in made]), stack_prefixes([m[1] for m in made])
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:

@@ -42,10 +42,9 @@ class Capabilities:
     # therefore declare
     prefixes: int = MAX_PREFIXES
     # requests of several clients may share passes (runtime.batch): shown to keep every answer's
-    # bytes on this backend and device. The torch backend's do, on the CPU (tests/
-    # test_batching.py) and on the GPU (`python -m bench.gpu batches`), as ONNX Runtime's on the
-    # CPU; the portable engines' on a GPU were never measured, so requests run alone there. The
-    # executor checks a batch before ready all the same (`Executor.check_batches`)
+    # bytes on this backend and device. On the CPU they are (tests/test_batching.py); the torch
+    # backend's batches on a GPU changed answers (docs/performance.md), and the portable engines'
+    # on a GPU were never measured, so requests run alone there
     merges: bool = False
 
 

@@ -350,7 +350,7 @@ class TorchBackend:
             # prefix's products for each prefix a pass reads (its rows' bytes as with one), so
             # many prefixes cost the CPU and float32 paths a product each
             prefixes=MAX_PREFIXES,
-            merges=True,
+            merges=not cuda,
         )
 
     # -- set-up -----------------------------------------------------------------------------
