@@ -9,6 +9,7 @@ on the CPU with the tiny preset in float32.
     serve     `omnijev serve` (prefix cache off) under closed-loop HTTP load (bench.load)
     batches   the traffic suite's requests alone and batched in process: bytes, times, builds
     sizes     the first request about each of 10 image sizes not warmed, against it warm
+    plans     the GPU's pass plans of the suite: passes, token slots, graph keys and misses
 
 Every setting is a RuntimeConfig or an `omnijev` option; nothing is patched.
 """
@@ -424,6 +425,20 @@ def sizes_command(m: Machine, args) -> dict:
     return record
 
 
+def plans_command(m: Machine, args) -> dict:
+    from bench.plans import plans, table
+
+    build(m, args)
+    executor = executor_for(m, m.engines())
+    record = {
+        "environment": environment(),
+        **plans(executor, args.seed, args.requests, args.questions),
+    }
+    m.save(f"plans{'-q' + str(args.questions) if args.questions else ''}.json", record)
+    print(table(record))
+    return record
+
+
 def run_name(args) -> str:
     """A serve run's name in its records: the suite, and the questions where they are fixed."""
     return args.suite + (f"-q{args.questions}" if args.questions else "")
@@ -445,6 +460,7 @@ COMMANDS = {
     "serve": serve_command,
     "batches": batches_command,
     "sizes": sizes_command,
+    "plans": plans_command,
     "reference-answers": reference_answers,
 }
 
@@ -466,10 +482,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--requests",
         type=int,
         default=load.REQUESTS,
-        help="serve: a run's; batches: suite requests",
+        help="serve: a run's; batches, plans: suite requests",
     )
     parser.add_argument("--warm-up", type=int, default=0, help="serve: requests not counted")
-    parser.add_argument("--questions", type=int, default=None, help="serve, sizes: questions each")
+    parser.add_argument(
+        "--questions", type=int, default=None, help="serve, sizes, plans: questions each"
+    )
     parser.add_argument("--seed", type=int, default=0, help="serve: the traffic suite's")
     parser.add_argument("--answers", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

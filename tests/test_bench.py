@@ -163,3 +163,20 @@ def test_the_unseen_sizes_measurement_times_first_and_warm_requests(executor):
         assert row["ratio"] == pytest.approx(row["first_ms"] / statistics.median(row["warm_ms"]))
         assert row["builds"] == 0
     assert "| 1080×2400 |" in table(record)
+
+
+def test_the_plan_statistics_count_slots_keys_and_cache_misses(executor):
+    """`bench.gpu plans`: each suite request's passes fill their slots at most, and a graph
+    cache's misses are its distinct keys at least, more where the stream outgrows it."""
+    from bench.plans import misses, plans, table
+
+    record = plans(executor, 0, 12)
+    assert len(record["requests"]) == 12
+    for row in record["requests"]:
+        assert 0 < row["tokens"] <= row["slots"] and row["passes"] >= 1
+    for cache in record["caches"].values():
+        assert cache["distinct"] <= cache["misses"] <= cache["runs"]
+    assert record["caches"]["image"]["distinct"] == 10  # the suite's sizes, each once a block
+    assert misses([(1,), (2,), (1,), (3,), (1,), (2,)], 2) == 4
+    assert misses([(1,), (2,), (1,), (3,), (1,), (2,)], 3) == 3
+    assert "| joint lane 0 |" in table(record)

@@ -1,0 +1,104 @@
+"""What the pass planner makes of the traffic suite, as the torch backend on a GPU runs it
+(`python -m bench.gpu plans`, any device): each request's passes, their token slots and the
+tokens that fill them, and how many shapes the GPU's graphs are keyed by over the stream, with
+the misses of the runtime's graph caches. Plans follow the tokenizer and the image sizes alone,
+so the tiny checkpoint on the CPU gives the 4b's."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Iterator
+
+from bench import traffic
+from runtime.backends.compiled import GRAPH_SLOTS, IMAGE_SLOTS, LANES
+from runtime.config import QUESTION_BATCH
+from runtime.image_prefix import VISION_TABLES
+from runtime.lru import LRU
+from runtime.passes import Plan, plan
+from runtime.run_passes import lane_of
+from runtime.strict_json import parse_body
+from runtime.types import Prepared
+
+
+def gpu_plan(prepared: Prepared) -> Plan:
+    """The plan the torch backend makes on a GPU: fitted joint passes, full question batches."""
+    return plan(prepared, QUESTION_BATCH, fit=True, joint=True)
+
+
+def request_row(prepared: Prepared, work: Plan) -> dict:
+    """A request's passes, their token slots (rows × tokens) and the slots real tokens fill."""
+    passes = [p.rows for p in (*work.questions, *work.options)]
+    passes += [part.rows for jp in work.joint for part in (jp.question, jp.options)]
+    return {
+        "questions": len(prepared.layouts),
+        "passes": len(work.questions) + len(work.options) + len(work.joint),
+        "slots": sum(int(rows.input_ids.size) for rows in passes),
+        "tokens": sum(int(rows.lengths.sum()) for rows in passes),
+        "prefix_tokens": work.prefix_length,
+    }
+
+
+def graph_keys(prepared: Prepared, work: Plan) -> Iterator[tuple[str, tuple]]:
+    """(cache, key) of every graph the request replays: its decoded image size (the image
+    graph's slots), its patch grid (the vision tables), its prefix pass's shape and each joint
+    pass's (prefix, question rows, option rows) shapes in its lane."""
+    yield "image", (prepared.image.height, prepared.image.width)
+    yield "grid", tuple(int(x) for x in prepared.image.grid_thw)
+    prefix = work.prefix.input_ids.shape
+    yield "prefix", prefix
+    for jp in work.joint:
+        shapes = (prefix, jp.question.rows.input_ids.shape, jp.options.rows.input_ids.shape)
+        yield f"joint lane {lane_of(jp, LANES)}", shapes
+
+
+CACHES = {"image": IMAGE_SLOTS, "grid": VISION_TABLES, "prefix": GRAPH_SLOTS}
+
+
+def misses(keys: Iterable[tuple], size: int) -> int:
+    """How many of `keys`, in order, an LRU of `size` entries did not hold."""
+    lru: LRU[tuple, bool] = LRU(size)
+    for key in keys:
+        if lru.get(key) is None:
+            lru.put(key, True)
+    return lru.misses
+
+
+def plans(executor, seed: int, count: int, questions: int | None = None) -> dict:
+    """The first `count` suite requests of `seed`: a row each, and every graph cache's distinct
+    keys and misses over them (the misses past the distinct keys are evictions)."""
+    rows, seen = [], {}
+    for index in range(count):
+        made = traffic.request(seed, index, questions=questions)
+        prepared = executor.prepare(parse_body(made.body))
+        work = gpu_plan(prepared)
+        rows.append({"index": index, "size": list(made.size), **request_row(prepared, work)})
+        for cache, key in graph_keys(prepared, work):
+            seen.setdefault(cache, []).append(key)
+    caches = {
+        cache: {
+            "distinct": len(set(keys)),
+            "size": CACHES.get(cache, GRAPH_SLOTS),
+            "misses": misses(keys, CACHES.get(cache, GRAPH_SLOTS)),
+            "runs": len(keys),
+        }
+        for cache, keys in sorted(seen.items())
+    }
+    return {"requests": rows, "caches": caches}
+
+
+def table(record: dict) -> str:
+    """The requests' medians and means, then one line a graph cache."""
+    rows = record["requests"]
+    slots = sum(r["slots"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    lines = [
+        f"requests {len(rows)}: passes median {statistics.median(r['passes'] for r in rows)}, "
+        f"mean {statistics.fmean(r['passes'] for r in rows):.2f}, max "
+        f"{max(r['passes'] for r in rows)}; token slots a request {slots / len(rows):.0f}, "
+        f"filled {tokens / max(slots, 1):.0%}",
+        "| graphs | distinct keys | cache size | runs | misses |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for cache, c in record["caches"].items():
+        lines.append(f"| {cache} | {c['distinct']} | {c['size']} | {c['runs']} | {c['misses']} |")
+    return "\n".join(lines)
