@@ -14,7 +14,7 @@ from runtime.backends.compiled import GRAPH_SLOTS, IMAGE_SLOTS, LANES
 from runtime.config import QUESTION_BATCH
 from runtime.image_prefix import VISION_TABLES
 from runtime.lru import LRU
-from runtime.passes import Plan, plan
+from runtime.passes import Plan, longest_prefix, plan
 from runtime.run_passes import lane_of
 from runtime.strict_json import parse_body
 from runtime.types import Prepared
@@ -41,13 +41,14 @@ def request_row(prepared: Prepared, work: Plan) -> dict:
 def graph_keys(prepared: Prepared, work: Plan) -> Iterator[tuple[str, tuple]]:
     """(cache, key) of every graph the request replays: its decoded image size (the image
     graph's slots), its patch grid (the vision tables), its prefix pass's shape and each joint
-    pass's (prefix, question rows, option rows) shapes in its lane."""
+    pass's (prefix keys, question rows, option rows) shapes in its lane, the prefix keys fixed
+    as the torch backend fixes them where it captures (`Capabilities.fixed_prefix_keys`)."""
     yield "image", (prepared.image.height, prepared.image.width)
     yield "grid", tuple(int(x) for x in prepared.image.grid_thw)
-    prefix = work.prefix.input_ids.shape
-    yield "prefix", prefix
+    yield "prefix", work.prefix.input_ids.shape
+    keys = longest_prefix(work.prefix_length, prepared.image.image_tokens)
     for jp in work.joint:
-        shapes = (prefix, jp.question.rows.input_ids.shape, jp.options.rows.input_ids.shape)
+        shapes = (keys, jp.question.rows.input_ids.shape, jp.options.rows.input_ids.shape)
         yield f"joint lane {lane_of(jp, LANES)}", shapes
 
 

@@ -25,7 +25,14 @@ from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
-from runtime.passes import Plan, batch_bucket, early_heads_fit, finished_by_joint, plan
+from runtime.passes import (
+    Plan,
+    batch_bucket,
+    early_heads_fit,
+    finished_by_joint,
+    longest_prefix,
+    plan,
+)
 from runtime.readouts import HostReadouts, Landing, mlps_behind
 from runtime.run_passes import (
     Choices,
@@ -34,6 +41,7 @@ from runtime.run_passes import (
     State,
     Stopwatch,
     lane_of,
+    padded_prefix,
     pinned_uint8,
     stack_prefixes,
 )
@@ -251,15 +259,23 @@ class Executor:
     def image_states(self, images: list[Prepared], clock: Stopwatch) -> tuple[State, State]:
         """(prefix, after prefix) states of each request's image (`ImagePrefix.states`), stacked
         where there are several (the rows read theirs by `Pass.prefix_rows` and `src`)."""
-        made = [
-            self.prefix.states(p.image, self.work_of(p).prefix, clock, p.image_key) for p in images
-        ]
+        made = [self.image_state(p, clock) for p in images]
         if len(made) == 1:
             return made[0]
         # a pass's shape includes its prefix count, and each shape is a CUDA graph of its own:
         # counts of a power of two (the first prefix again, which no row reads) keep them few
         made += [made[0]] * (batch_bucket(len(made), MAX_PREFIXES) - len(made))
         return stack_prefixes([m[0] for m in made]), stack_prefixes([m[1] for m in made])
+
+    def image_state(self, prepared: Prepared, clock: Stopwatch) -> tuple[State, State]:
+        """(prefix, after prefix) states of a request's image, the prefix padded to the longest
+        prefix's keys where the choices fix them (`padded_prefix`)."""
+        work = self.work_of(prepared)
+        prefix, after = self.prefix.states(prepared.image, work.prefix, clock, prepared.image_key)
+        if self.choices.fixed_prefix_keys:
+            keys = longest_prefix(work.prefix_length, prepared.image.image_tokens)
+            prefix = padded_prefix(prefix, keys)
+        return prefix, after
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:
         """The response: heads and finishing of every question not made early."""

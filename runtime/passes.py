@@ -23,9 +23,11 @@ from runtime.constants import (
 )
 from runtime.constants import VISION_END_ID as VISION_END
 from runtime.contract import MAX_OPTIONS
+from runtime.images import FACTOR, MAX_PIXELS
 from runtime.types import Prepared, QuestionLayout
 
 PREFIX_STEP = 64  # image-prefix length bucket: one CUDA graph per 64 tokens of prefix
+MAX_IMAGE_TOKENS = MAX_PIXELS // FACTOR**2  # 588: the resize keeps an image within MAX_PIXELS
 TEXT_STEP = 16  # question-text length bucket (bench questions are 11-17 tokens)
 OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-20)
 # Questions share passes of a FIXED row count per length bucket, padding rows filling the rest,
@@ -235,6 +237,13 @@ def prefix_starts(prepared: Prepared) -> list[int]:
         for qi in members:
             starts[qi] = n
     return starts
+
+
+def longest_prefix(prefix_length: int, image_tokens: int) -> int:
+    """The prefix bucket of this prompt about the largest image the resize makes
+    (MAX_IMAGE_TOKENS image tokens): the keys of every prefix where a backend fixes them
+    (`Capabilities.fixed_prefix_keys`)."""
+    return bucket(prefix_length - image_tokens + MAX_IMAGE_TOKENS, PREFIX_STEP)
 
 
 def image_prefix_length(layouts: tuple[QuestionLayout, ...]) -> int:

@@ -87,6 +87,27 @@ def stack_prefixes(states: list[State]) -> State:
     )
 
 
+def padded_prefix(state: State, keys: int) -> State:
+    """An image prefix's state (K/V [R, KVH, P, hd], mask [R, P]) with zero keys and values up
+    to `keys`, masked: a row gives a masked key the weight exp(MASKED - max), an exact 0, so
+    its attention keeps the bytes it has without them (the attention kernel walks the keys in
+    the same tiles from the first on, and adds each later tile's zeros)."""
+    extra = keys - state.mask.shape[1]
+    if extra <= 0:
+        return state
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, extra))
+
+    return State(
+        k=[pad(t) for t in state.k],
+        v=[pad(t) for t in state.v],
+        mask=torch.nn.functional.pad(state.mask, (0, extra), value=False),
+        conv=state.conv,
+        rec=state.rec,
+    )
+
+
 @dataclass(frozen=True)
 class Choices:
     """How the executor runs requests on its backend, each a consequence of the backend's
@@ -98,6 +119,7 @@ class Choices:
     device_heads: bool  # the heads' D-wide MLPs on the engine's device (Heads.use_device)
     mlps_behind: bool  # those MLPs enqueued right behind the passes, back with the readouts
     early_heads: bool  # heads of questions finished by earlier joint passes beside later ones
+    fixed_prefix_keys: bool = False  # every prefix padded to the longest's keys (padded_prefix)
 
     @classmethod
     def of(cls, capabilities: Capabilities) -> Choices:
@@ -110,6 +132,7 @@ class Choices:
             device_heads=on_device,
             mlps_behind=on_device,
             early_heads=on_device,
+            fixed_prefix_keys=capabilities.fixed_prefix_keys,
         )
 
 

@@ -67,6 +67,13 @@ KERNEL_CHECK = textwrap.dedent(
         alone = rows_attention(*(x[:1] if x.shape[0] == b else x for x in args), 0.3)
         back = torch.arange(b - 1, -1, -1)
         flipped = rows_attention(*(x[back] if x.shape[0] == b else x for x in args), 0.3)
+        if p != 1:  # the prefix padded with masked zero keys (runtime.run_passes.padded_prefix)
+            extra = 2 * CHUNK_KEYS + 5
+            wide_k, wide_v = (torch.nn.functional.pad(x, (0, 0, 0, extra)) for x in args[1:3])
+            hidden = torch.zeros(b, t, extra, dtype=torch.bool)
+            wide_mask = torch.cat([mask[..., :p], hidden, mask[..., p:]], dim=-1)
+            wide = (q, wide_k, wide_v, prefixes, past_k, past_v, k, v, wide_mask)
+            assert torch.equal(rows_attention(*wide, 0.3), got), "padded prefix keys differ"
         if b <= CHUNK_MAX_ROWS:
             assert torch.equal(alone, got[:1]), "a row alone differs"
             assert torch.equal(flipped, got[back]), "reversed rows differ"

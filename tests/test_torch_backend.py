@@ -653,3 +653,34 @@ def test_mlps_behind_the_passes_give_the_heads_own_answers(engines, on_device, e
     apart = variant(engines, on_device, early_heads=early, mlps_behind=False)
     assert not any(r.mlps is not None for r in apart.readouts(prepared))
     assert json.dumps(without_latency(apart.answer(body))) == json.dumps(behind)
+
+
+def test_prefixes_padded_to_the_longest_keep_answers_and_batches(engines, executor):
+    """`Choices.fixed_prefix_keys` (where the torch backend captures a graph per shape): a
+    small image's prefix is padded with masked keys to the longest prefix's, its answers move
+    by rounding at most, and requests about images of other sizes, whose prefixes now have one
+    length, batch with each request's bytes alone."""
+    from runtime.batch import same_readouts
+    from runtime.passes import longest_prefix
+    from runtime.run_passes import Stopwatch
+
+    padded = variant(engines, executor, fixed_prefix_keys=True)
+    plain = variant(engines, executor)
+    small, large = pattern_png(320, 224), photo_image(900, 700, 0)
+    bodies = [
+        request_body(small, speed_bench_questions(6), "image/png"),
+        request_body(encode(large, "PNG"), {**gate_questions(), **choice_with(9)}, "image/png"),
+    ]
+    prepared = [padded.prepare(json.loads(body)) for body in bodies]
+    work = padded.work_of(prepared[0])
+    prefix, _ = padded.image_state(prepared[0], Stopwatch({}))
+    keys = longest_prefix(work.prefix_length, prepared[0].image.image_tokens)
+    assert prefix.mask.shape[1] == keys > work.prefix.input_ids.shape[1]
+    assert int(prefix.mask.sum()) == work.prefix_length
+    for body in bodies:
+        ours, theirs = padded.answer(body), plain.answer(body)
+        report = compare(theirs, ours)
+        assert not report["flips"] and max(report["differences"]) <= 1e-5
+    alone = [padded.readouts(p) for p in prepared]
+    together = padded.readouts_batch(prepared)
+    assert all(map(same_readouts, alone, together))

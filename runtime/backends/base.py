@@ -32,6 +32,10 @@ class Capabilities:
     padded_targets: bool = True
     # joint passes may run at once in this many lanes (`lane_stream`, `run(..., lane=)`)
     lanes: int = 1
+    # every pass after the image prefix reads the longest prefix's keys, a shorter prefix's
+    # padded with masked zero keys (`runtime.run_passes.padded_prefix`): a backend that captures
+    # a graph per shape then has one for each pass shape, not one for each image size besides
+    fixed_prefix_keys: bool = False
     # the device runs enqueued work while the host goes on (CUDA): the heads' large products
     # there, behind the passes, and the heads of finished questions beside later passes
     asynchronous: bool = False
