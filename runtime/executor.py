@@ -353,6 +353,12 @@ class Executor:
         """Waits for the backend's fixed-shape sessions still being built; how many there were."""
         return self.backend.settle()
 
+    def build_pending(self) -> bool:
+        """Builds one pass shape a request ran in a larger one of (`PassRunner.run_joint`), for
+        the worker's idle moments; whether any is left."""
+        with torch.inference_mode():
+            return self.backend.build_pending()
+
     def shape_builds(self) -> tuple[int, float]:
         """The pass shapes the backend has built so far (compiled and captured, a session made)
         and the seconds their builds took."""

@@ -524,6 +524,59 @@ def question_part_rows(count: int, length: int, question_rows: int, fit: bool) -
     return max(fitted_rows(count, most, fit), count)
 
 
+def grown(rows: Pass, count: int) -> Pass:
+    """`rows` with filler rows appended up to `count` rows, as a fitted pass pads (`empty_pass`):
+    its reads are flat indices row × T + token, so they stay where they were."""
+    extra = count - rows.shape[0]
+    if extra <= 0:
+        return rows
+    filler = empty_pass(extra, rows.shape[1])
+    return replace(
+        rows,
+        input_ids=np.concatenate([rows.input_ids, filler.input_ids]),
+        positions=np.concatenate([rows.positions, filler.positions], axis=1),
+        lengths=np.concatenate([rows.lengths, filler.lengths]),
+        src=np.concatenate([rows.src, filler.src]),
+        prefix_rows=np.concatenate([rows.prefix_rows, filler.prefix_rows]),
+    )
+
+
+def larger_joints(jp: JointPass, question_rows: int = QUESTION_ROWS) -> list[JointPass]:
+    """`jp` with more filler rows in its question part, its option part or both, as the
+    planner makes fitted joint passes of the same lengths for more rows (powers of two up to
+    each part's count), fewest token slots first. A row's bytes do not follow a fitted pass's
+    row count, so each gives `jp`'s rows the same bytes. None for a question joining alone
+    (more option rows than the small family's): its shapes are its own."""
+    (q_rows, q_length), (o_rows, o_length) = jp.question.rows.shape, jp.options.rows.shape
+    q_most = rows_for(q_length, question_rows, QUESTION_TOKENS)
+    _, o_family, o_tokens = OPTION_FAMILIES[0]
+    o_most = rows_for(o_length, o_family, o_tokens)
+    if q_rows > q_most or o_rows > o_most:
+        return []
+    sizes = [
+        (q, o)
+        for q in doublings(q_rows, q_most)
+        for o in doublings(o_rows, o_most)
+        if (q, o) != (q_rows, o_rows)
+    ]
+    sizes.sort(key=lambda size: (size[0] * q_length + size[1] * o_length, size))
+    return [
+        JointPass(
+            replace(jp.question, rows=grown(jp.question.rows, q)),
+            replace(jp.options, rows=grown(jp.options.rows, o)),
+        )
+        for q, o in sizes
+    ]
+
+
+def doublings(start: int, most: int) -> list[int]:
+    """`start`, twice it, ... up to `most`."""
+    made = [start]
+    while made[-1] * 2 <= most:
+        made.append(made[-1] * 2)
+    return made
+
+
 def joins(layout: QuestionLayout) -> bool:
     """Whether a question's rows run in joint passes: by its own option count, so that where
     a row runs never depends on the other questions."""

@@ -15,7 +15,15 @@ import torch
 
 from runtime.backends import Backend, Capabilities
 from runtime.constants import JOINT, JOINT_GRAPH
-from runtime.passes import OPTION_STEP, JointPass, OptionPass, Pass, Plan, QuestionPass
+from runtime.passes import (
+    OPTION_STEP,
+    JointPass,
+    OptionPass,
+    Pass,
+    Plan,
+    QuestionPass,
+    larger_joints,
+)
 
 GPU_STAGES = ("vision", "prefix", "questions", "options", "readouts")  # Stopwatch's laps
 
@@ -226,7 +234,29 @@ class PassRunner:
         self, jp: JointPass, prefix: State, after_prefix: State, lane: int = 0
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """A joint pass: (the question rows' readouts, the option rows' readouts); in `lane` > 0
-        on that lane's graphs (the caller has made the lane's stream current)."""
+        on that lane's graphs (the caller has made the lane's stream current). Where its shape
+        is not built yet and a larger one of the same lengths is (`larger_joints`: the same
+        bytes for its rows), it runs there, and its own is built when the worker is idle."""
+        feeds, outputs = self.joint_feeds(jp, prefix, after_prefix)
+        if not self.backend.built(JOINT_GRAPH, feeds, lane):
+            for larger in larger_joints(jp, self.question_rows):
+                wider, wider_outputs = self.joint_feeds(larger, prefix, after_prefix)
+                if self.backend.built(JOINT_GRAPH, wider, lane):
+                    self.backend.build_later(JOINT_GRAPH, feeds, lane)
+                    feeds, outputs = wider, wider_outputs
+                    break
+        self.backend.run(JOINT_GRAPH, feeds, outputs, lane=lane)
+        readouts = ("hidden", "logprobs")
+        return (
+            {name: outputs[name] for name in readouts},
+            {name: outputs[JOINT + name] for name in readouts},
+        )
+
+    def joint_feeds(
+        self, jp: JointPass, prefix: State, after_prefix: State
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A joint pass's feeds and outputs: the question part's names, then the option part's
+        under JOINT."""
         pad = self.capabilities.padded_targets
         arrays = jp.question.rows.arrays(pad)
         named, outputs = dict(arrays), self.outputs(jp.question.rows, arrays, with_state=False)
@@ -234,13 +264,7 @@ class PassRunner:
         named.update({JOINT + name: a for name, a in options.items()})
         for name, tensor in self.outputs(jp.options.rows, options, with_state=False).items():
             outputs[JOINT + name] = tensor
-        feeds = self.feeds(named, self.dummy_features(), prefix, after_prefix)
-        self.backend.run(JOINT_GRAPH, feeds, outputs, lane=lane)
-        readouts = ("hidden", "logprobs")
-        return (
-            {name: outputs[name] for name in readouts},
-            {name: outputs[JOINT + name] for name in readouts},
-        )
+        return self.feeds(named, self.dummy_features(), prefix, after_prefix), outputs
 
     def run_pass(
         self,

@@ -531,7 +531,10 @@ def create_app(
     `{"detail": "the worker is warming up"}` with `Retry-After: 1`; then `/health` answers 200
     `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
     """
-    scheduler = Scheduler(admitted, preparing, batch_wait_s=batch_wait_s)
+    # an engine that ran a pass in a larger shape builds its own while no request waits
+    # (runtime.executor.Executor.build_pending)
+    idle = getattr(engine, "build_pending", None)
+    scheduler = Scheduler(admitted, preparing, batch_wait_s=batch_wait_s, idle=idle)
     worker = Worker(engine, scheduler, warm_ups)
     metrics = Metrics(scheduler, engine, lambda: worker.warm_up_builds)
     slots = Uploads(uploads)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -84,6 +85,37 @@ def test_a_request_that_fails_fails_alone() -> None:
     assert isinstance(results[2], ValueError) and str(results[2]) == "bad argument"
     # the batch failed as a whole, then ran a request at a time
     assert run.batches == [["a"], ["b", "bad", "c"], ["b"], ["bad"], ["c"]]
+
+
+def test_idle_work_runs_between_requests_a_step_at_a_time() -> None:
+    """`Scheduler(idle=...)`: once the queue is empty the execution thread takes idle steps
+    while they answer that work is left; a request arriving meanwhile runs after the step in
+    hand, and a failing step stops the idle work, not the requests."""
+    steps: list[str] = []
+    left = [3]
+
+    def idle() -> bool:
+        steps.append(threading.current_thread().name)
+        if left[0] == 99:
+            raise RuntimeError("broken")
+        left[0] -= 1
+        time.sleep(0.02)
+        return left[0] > 0
+
+    async def scenario() -> list:
+        scheduler = Scheduler(idle=idle)
+        first = await scheduler.execute(Ticket(), str.upper, "a")
+        while len(steps) < 3:
+            await asyncio.sleep(0.01)
+        left[0] = 99  # the next step fails; requests still run
+        second = await scheduler.execute(Ticket(), str.upper, "b")
+        await asyncio.sleep(0.1)
+        third = await scheduler.execute(Ticket(), str.upper, "c")
+        await scheduler.close()
+        return [first, second, third]
+
+    assert asyncio.run(scenario()) == ["A", "B", "C"]
+    assert len(steps) == 5 and all(name.startswith("omnijev-execute") for name in steps)
 
 
 def test_a_request_whose_client_left_is_dropped_before_it_runs() -> None:

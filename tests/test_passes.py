@@ -450,3 +450,35 @@ def test_shared_tokens_are_the_blocks_common_lead_leaving_each_its_close(tokeniz
     reads = jp.question.open_read
     assert [jp.question.rows.targets[i][1] for i in reads[(0, 0)]] == blocks[0][1:shared]
     assert all(len(reads[(0, k)]) == shared for k in range(1, len(blocks)))
+
+
+def test_larger_joint_passes_are_the_same_rows_in_more_filler_rows(tokenizer):
+    """`larger_joints`: the fitted joint passes the planner makes for more rows of the same
+    lengths, fewest token slots first, each holding the pass's rows where they were and its
+    reads unchanged; none for a question joining alone (its option rows are its own shape)."""
+    from runtime.passes import OPTION_FAMILIES, grown, larger_joints
+
+    prepared, work = planned(
+        tokenizer, {**speed_bench_questions(3), **choice_with(40)}, fit=True, joint=True
+    )
+    small = [jp for jp in work.joint if jp.options.rows.shape[0] <= OPTION_FAMILIES[0][1]]
+    alone = [jp for jp in work.joint if jp.options.rows.shape[0] > OPTION_FAMILIES[0][1]]
+    assert small and alone and all(larger_joints(jp) == [] for jp in alone)
+    for jp in small:
+        larger = larger_joints(jp)
+        assert larger
+        slots = [sum(p.rows.input_ids.size for p in (x.question, x.options)) for x in larger]
+        assert slots == sorted(slots) and slots[0] > sum(
+            p.rows.input_ids.size for p in (jp.question, jp.options)
+        )
+        for bigger in larger:
+            for part, mine in ((bigger.question, jp.question), (bigger.options, jp.options)):
+                rows, count = part.rows, mine.rows.shape[0]
+                assert rows.shape[1] == mine.rows.shape[1] and rows.shape[0] >= count
+                assert (rows.input_ids[:count] == mine.rows.input_ids).all()
+                assert (rows.src[:count] == mine.rows.src).all()
+                assert (rows.lengths[count:] == 1).all() and not rows.input_ids[count:].any()
+                assert rows.read_rows == mine.rows.read_rows
+                assert rows.targets == mine.rows.targets
+    same = grown(work.joint[0].question.rows, 1)
+    assert same is work.joint[0].question.rows

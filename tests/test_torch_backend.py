@@ -684,3 +684,82 @@ def test_prefixes_padded_to_the_longest_keep_answers_and_batches(engines, execut
     alone = [padded.readouts(p) for p in prepared]
     together = padded.readouts_batch(prepared)
     assert all(map(same_readouts, alone, together))
+
+
+class FirstShapesOnly:
+    """The torch backend as a GPU one is after its warm-up: passes of the shapes it has run
+    are built, a new shape is not (`Backend.built`); the shapes noted for later are kept."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.ran: set[tuple] = set()
+        self.later: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    @staticmethod
+    def shape(feeds: dict) -> tuple:
+        return tuple(tuple(t.shape) for name, t in sorted(feeds.items()) if "input_ids" in name)
+
+    def built(self, graph: str, feeds: dict, lane: int = 0) -> bool:
+        return self.shape(feeds) in self.ran
+
+    def build_later(self, graph: str, feeds: dict, lane: int = 0) -> None:
+        self.later.append(self.shape(feeds))
+
+    def run(self, graph: str, feeds: dict, outputs: dict, lane: int = 0) -> None:
+        self.ran.add(self.shape(feeds))
+        self.backend.run(graph, feeds, outputs, lane)
+
+
+def test_a_joint_pass_of_a_shape_not_built_runs_in_a_built_larger_one(engines, executor):
+    """`PassRunner.run_joint`: a joint pass whose shape is not built runs in a built one of the
+    same lengths and more rows, with every readout byte it has in its own shape, and its own
+    shape is noted to build when the worker is idle."""
+    from runtime.passes import larger_joints
+    from runtime.run_passes import PassRunner, Stopwatch
+
+    padded = variant(engines, executor, fixed_prefix_keys=True)
+    body = request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png")
+    prepared = padded.prepare(json.loads(body))
+    jp = padded.work_of(prepared).joint[0]
+    bigger = larger_joints(jp)[-1]  # the most rows
+    states = padded.image_state(prepared, Stopwatch({}))
+    own = [{k: v.clone() for k, v in out.items()} for out in padded.runner.run_joint(jp, *states)]
+    runner = padded.runner
+    backend = FirstShapesOnly(padded.backend)
+    runner = PassRunner(backend, runner.dims, runner.image_token, runner.question_rows)
+    runner.run_joint(bigger, *states)  # "built" by a first request
+    assert backend.ran == {FirstShapesOnly.shape(runner.joint_feeds(bigger, *states)[0])}
+    got = runner.run_joint(jp, *states)
+    assert backend.ran == {FirstShapesOnly.shape(runner.joint_feeds(bigger, *states)[0])}
+    assert backend.later == [FirstShapesOnly.shape(runner.joint_feeds(jp, *states)[0])]
+    for theirs, mine in zip(got, own, strict=True):
+        assert all(torch.equal(theirs[name], mine[name]) for name in mine)
+
+
+def test_a_noted_shape_is_built_on_stand_in_feeds_when_idle(engines, executor):
+    """`build_later` notes a joint pass's shape once, `build_pending` builds one noted shape a
+    call on stand-in feeds (here the CPU's one run: nothing is captured) and says whether any
+    is left; the executor's `build_pending` is the worker's idle step."""
+    from runtime.constants import JOINT_GRAPH
+    from runtime.passes import larger_joints
+    from runtime.run_passes import Stopwatch
+
+    padded = variant(engines, executor, fixed_prefix_keys=True)
+    backend = padded.backend
+    prepared = padded.prepare(
+        json.loads(request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png"))
+    )
+    jp = padded.work_of(prepared).joint[0]
+    states = padded.image_state(prepared, Stopwatch({}))
+    assert backend.built(JOINT_GRAPH, padded.runner.joint_feeds(jp, *states)[0])  # the CPU's
+    for shape in (jp, *larger_joints(jp)[:1], jp):
+        backend.build_later(JOINT_GRAPH, padded.runner.joint_feeds(shape, *states)[0])
+    assert len(backend.pending) == 2
+    before = backend.slots[JOINT_GRAPH].stats()["builds"]
+    assert padded.build_pending() is True
+    assert padded.build_pending() is False and not backend.pending
+    assert padded.build_pending() is False
+    assert backend.slots[JOINT_GRAPH].stats()["builds"] == before + 2

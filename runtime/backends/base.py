@@ -106,6 +106,19 @@ class Backend(Protocol):
         """Wait for work building in the background; how many builds there were."""
         ...
 
+    def built(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> bool:
+        """Whether a pass of these feeds' shapes runs on something already built (its CUDA
+        graph captured); True where nothing is built per shape."""
+        ...
+
+    def build_later(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> None:
+        """Note a pass shape to build when the worker is idle (`build_pending`)."""
+        ...
+
+    def build_pending(self) -> bool:
+        """Build one noted pass shape; whether any is left."""
+        ...
+
     def stats(self) -> dict:
         """Counters for metrics and benchmarks (slots, captures, replays...), among them
         `builds`, the pass shapes built so far, and `build_seconds`, the seconds their builds
@@ -125,6 +138,15 @@ class Portable:
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor | None:
         return None
+
+    def built(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> bool:
+        return True  # fixed-shape sessions are built in the background (`settle`)
+
+    def build_later(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> None:
+        return None
+
+    def build_pending(self) -> bool:
+        return False
 
     def check_lane(self, graph: str, lane: int) -> None:
         """Refuses a lane this backend does not have."""

@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -337,6 +338,8 @@ class TorchBackend:
         }
         self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)  # the patches' lookup
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
+        # pass shapes to build when the worker is idle (`build_later`), by signature: lane
+        self.pending: dict[tuple, int] = {}
         self.capabilities = Capabilities(
             rows_fit=self.rows_fit,
             joint=self.rows_fit,  # lm_joint keeps a row's bytes where the floors hold
@@ -524,10 +527,22 @@ class TorchBackend:
             for name, out in states.items():
                 out.copy_(results[name])
         else:
-            slots = self.lane_slots[lane - 1] if lane else self.slots[graph]
+            slots = self.graph_slots(graph, lane)
             results = slots.run(signature(graph, body), body, states).outputs
         if any(unprefixed(name) in READOUT_OUTPUTS for name in outputs):
             self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
+
+    def graph_slots(self, graph: str, lane: int) -> GraphSlots:
+        """The slots a pass of `graph` in `lane` replays."""
+        return self.lane_slots[lane - 1] if lane else self.slots[graph]
+
+    def body(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The feeds a pass's graph takes (its readout's aside): what its slots are keyed by."""
+        return {
+            n: t
+            for n, t in self.checked(graph, feeds).items()
+            if unprefixed(n) not in READOUT_INPUTS
+        }
 
     def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
         """The readouts of a pass from `flat`; a joint pass's option tokens follow its question
@@ -557,18 +572,19 @@ class TorchBackend:
             outputs[prefix + "logprobs"].copy_(logprobs[at : at + count])
             at += count
 
-    def prepare(self, signatures: list[tuple]) -> int:
+    def prepare(self, signatures: list[tuple], lane: int = 0) -> int:
         """Compiles and captures each pass signature ahead of its first request, on stand-in
-        feeds (zeros, every row one token long): a graph's work depends on shapes alone."""
+        feeds (zeros, every row one token long): a graph's work depends on shapes alone. A
+        joint pass's in `lane` (its stream current)."""
         new = 0
         for given in signatures:
             graph, *specs = given
             feeds = {
                 name: stand_in(name, shape, dtype, self.device)
                 for name, shape, dtype in specs
-                if name not in READOUT_INPUTS
+                if unprefixed(name) not in READOUT_INPUTS
             }
-            key, slots = signature(graph, feeds), self.slots[graph]
+            key, slots = signature(graph, feeds), self.graph_slots(graph, lane)
             if slots.get(key) is not None:
                 continue
             for _ in range(slots.warm_launches + 1):  # eager launches, then the capture
@@ -578,6 +594,30 @@ class TorchBackend:
 
     def settle(self) -> int:
         return 0  # nothing builds in the background: compilation happens in prepare or run
+
+    def built(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> bool:
+        if self.device.type != "cuda":
+            return True  # nothing is captured: every shape runs as it comes
+        slot = self.graph_slots(graph, lane).get(signature(graph, self.body(graph, feeds)))
+        return slot is not None and slot.built
+
+    def build_later(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> None:
+        body = self.body(graph, feeds)
+        specs = tuple((name, tuple(t.shape), t.dtype) for name, t in body.items())
+        self.pending[(graph, *specs)] = lane
+
+    def build_pending(self) -> bool:
+        """Builds the oldest noted shape on stand-in feeds (`prepare`), in its lane's stream."""
+        if not self.pending:
+            return False
+        given = next(iter(self.pending))
+        lane = self.pending.pop(given)
+        stream = self.lane_stream(lane)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self.prepare([given], lane)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return bool(self.pending)
 
     def stats(self) -> dict:
         lanes = {f"{JOINT_GRAPH}@{k + 1}": s.stats() for k, s in enumerate(self.lane_slots)}
