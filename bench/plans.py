@@ -14,10 +14,21 @@ from runtime.backends.compiled import GRAPH_SLOTS, IMAGE_SLOTS, LANES
 from runtime.config import QUESTION_BATCH
 from runtime.image_prefix import VISION_TABLES
 from runtime.lru import LRU
-from runtime.passes import Plan, longest_prefix, plan
+from runtime.passes import (
+    JointPass,
+    OptionPass,
+    Plan,
+    QuestionPass,
+    bucket_joints,
+    empty_pass,
+    larger_joints,
+    longest_prefix,
+    plan,
+)
 from runtime.run_passes import lane_of
 from runtime.strict_json import parse_body
 from runtime.types import Prepared
+from runtime.warm_up import warm_up_companion, warm_up_request
 
 
 def gpu_plan(prepared: Prepared) -> Plan:
@@ -64,10 +75,44 @@ def misses(keys: Iterable[tuple], size: int) -> int:
     return lru.misses
 
 
+def joint_shape(jp: JointPass) -> tuple:
+    return jp.question.rows.shape, jp.options.rows.shape
+
+
+def has_bucket(shape: tuple, built: set[tuple]) -> bool:
+    """Whether a joint pass of `shape` runs in a built shape: its own, or one of its
+    `larger_joints` (the runner's choice, `PassRunner.run_joint`)."""
+    larger = {joint_shape(jp) for jp in larger_joints(bucket_pass(shape))}
+    return shape in built or bool(larger & built)
+
+
+def bucket_pass(shape: tuple) -> JointPass:
+    """A joint pass of filler rows of this shape."""
+    (q_rows, q_length), (o_rows, o_length) = shape
+    return JointPass(
+        QuestionPass(empty_pass(q_rows, q_length), [], {}, {}),
+        OptionPass(empty_pass(o_rows, o_length), 0, [], {}, {}),
+    )
+
+
+def unbuilt(executor, shapes: list[tuple]) -> dict:
+    """Of these joint passes in turn, how many met no built shape (`has_bucket`) after the
+    built-in warm-up (its request and companion, and `bucket_joints`); each shape is built
+    after its first pass, as the worker does (in the request, or when idle)."""
+    built = {joint_shape(jp) for jp in bucket_joints(QUESTION_BATCH)}
+    for body in (warm_up_request(), warm_up_companion()):
+        built |= {joint_shape(jp) for jp in gpu_plan(executor.prepare(body)).joint}
+    missed = 0
+    for shape in shapes:
+        missed += not has_bucket(shape, built)
+        built.add(shape)
+    return {"passes": len(shapes), "unbuilt": missed}
+
+
 def plans(executor, seed: int, count: int, questions: int | None = None) -> dict:
     """The first `count` suite requests of `seed`: a row each, and every graph cache's distinct
     keys and misses over them (the misses past the distinct keys are evictions)."""
-    rows, seen = [], {}
+    rows, seen, shapes = [], {}, []
     for index in range(count):
         made = traffic.request(seed, index, questions=questions)
         prepared = executor.prepare(parse_body(made.body))
@@ -75,6 +120,7 @@ def plans(executor, seed: int, count: int, questions: int | None = None) -> dict
         rows.append({"index": index, "size": list(made.size), **request_row(prepared, work)})
         for cache, key in graph_keys(prepared, work):
             seen.setdefault(cache, []).append(key)
+        shapes += [joint_shape(jp) for jp in work.joint]
     caches = {
         cache: {
             "distinct": len(set(keys)),
@@ -84,7 +130,7 @@ def plans(executor, seed: int, count: int, questions: int | None = None) -> dict
         }
         for cache, keys in sorted(seen.items())
     }
-    return {"requests": rows, "caches": caches}
+    return {"requests": rows, "caches": caches, "joint_unbuilt": unbuilt(executor, shapes)}
 
 
 def table(record: dict) -> str:
@@ -102,4 +148,9 @@ def table(record: dict) -> str:
     ]
     for cache, c in record["caches"].items():
         lines.append(f"| {cache} | {c['distinct']} | {c['size']} | {c['runs']} | {c['misses']} |")
+    unbuilt = record["joint_unbuilt"]
+    lines.append(
+        f"joint passes with no built shape of their lengths after the built-in warm-up: "
+        f"{unbuilt['unbuilt']} of {unbuilt['passes']}"
+    )
     return "\n".join(lines)

@@ -22,12 +22,13 @@ import torch
 from runtime.backends import Backend, choose_backend
 from runtime.batch import batch_size, merged, same_readouts, split
 from runtime.config import RuntimeConfig
-from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
+from runtime.constants import IMAGE_PAD_ID, JOINT_GRAPH, MAX_PREFIXES, MODEL_ID
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.passes import (
     Plan,
     batch_bucket,
+    bucket_joints,
     early_heads_fit,
     finished_by_joint,
     longest_prefix,
@@ -352,6 +353,24 @@ class Executor:
     def settle(self) -> int:
         """Waits for the backend's fixed-shape sessions still being built; how many there were."""
         return self.backend.settle()
+
+    def note_buckets(self) -> int:
+        """Notes the largest joint pass of each common pair of lengths (`bucket_joints`) for
+        `build_pending` where the backend has not built it, about the warm-up request's image;
+        how many. The worker builds them before it reports ready."""
+        if not self.choices.joint:
+            return 0
+        prepared = self.prepare(warm_up_request())
+        noted = 0
+        with torch.inference_mode():
+            states = self.image_state(prepared, Stopwatch(self.stages))
+            for jp in bucket_joints(self.config.question_batch):
+                feeds, _ = self.runner.joint_feeds(jp, *states)
+                lane = lane_of(jp, self.choices.lanes)
+                if not self.backend.built(JOINT_GRAPH, feeds, lane):
+                    self.backend.build_later(JOINT_GRAPH, feeds, lane)
+                    noted += 1
+        return noted
 
     def build_pending(self) -> bool:
         """Builds one pass shape a request ran in a larger one of (`PassRunner.run_joint`), for

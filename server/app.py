@@ -105,7 +105,9 @@ class Engine(Protocol):
     # a batch (runtime.executor.Executor.batch_key); and `respond(prepared, readouts, seconds)`,
     # heads and finishing (`seconds`: the passes' time), which the worker runs beside the next
     # batch's passes (`Worker.execute`); `check_batches()`, run before ready, whether batches
-    # keep the readout bytes here (False: `batch_key` gives None from then on)
+    # keep the readout bytes here (False: `batch_key` gives None from then on);
+    # `note_buckets()`, the common pass shapes noted for building before ready, and
+    # `build_pending()`, which builds one noted shape (also while no request waits)
     splits: bool
 
     def prepare(self, obj: dict) -> Prepared:
@@ -413,6 +415,7 @@ class Worker:
             log.info("warm-up request %d in %.3f s", index, time.perf_counter() - start)
         if self.engine.splits:
             await self._warm_up_batch()
+            await self._warm_up_buckets()
 
     async def _warm_up_batch(self) -> None:
         """The engine's batch check (`Executor.check_batches`) on the execution thread: the
@@ -421,6 +424,21 @@ class Worker:
         start = time.perf_counter()
         merges = await self.scheduler.execute(Ticket(), self._check_batches, None)
         log.info("warm-up batch in %.3f s, merges %s", time.perf_counter() - start, merges)
+
+    async def _warm_up_buckets(self) -> None:
+        """The engine's common joint-pass shapes (`Executor.note_buckets`), built on the
+        execution thread one at a time before ready: a later pass of those lengths runs in one."""
+        start = time.perf_counter()
+        noted = await self.scheduler.execute(Ticket(), self._note_buckets, None)
+        while noted and await self.scheduler.execute(Ticket(), self._build_pending, None):
+            pass
+        log.info("warm-up buckets: %d in %.3f s", noted, time.perf_counter() - start)
+
+    def _note_buckets(self, _: None) -> int:
+        return self.engine.note_buckets()  # type: ignore[attr-defined]
+
+    def _build_pending(self, _: None) -> bool:
+        return self.engine.build_pending()  # type: ignore[attr-defined]
 
     def _check_batches(self, _: None) -> bool:
         return self.engine.check_batches()  # type: ignore[attr-defined]

@@ -180,3 +180,19 @@ def test_the_plan_statistics_count_slots_keys_and_cache_misses(executor):
     assert misses([(1,), (2,), (1,), (3,), (1,), (2,)], 2) == 4
     assert misses([(1,), (2,), (1,), (3,), (1,), (2,)], 3) == 3
     assert "| joint lane 0 |" in table(record)
+    unbuilt = record["joint_unbuilt"]
+    assert 0 <= unbuilt["unbuilt"] <= unbuilt["passes"]
+
+
+def test_a_joint_pass_has_a_bucket_where_the_runner_finds_one():
+    """`bench.plans.has_bucket` mirrors `PassRunner.run_joint`: a pass runs in its own built
+    shape or in a built larger one of its lengths, never in one of other lengths or beyond its
+    family's rows."""
+    from bench.plans import has_bucket
+
+    mine = ((4, 16), (8, 8))
+    assert has_bucket(mine, {mine})
+    assert has_bucket(mine, {((16, 16), (32, 8))}) and has_bucket(mine, {((4, 16), (16, 8))})
+    assert not has_bucket(mine, {((2, 16), (32, 8))})  # fewer question rows
+    assert not has_bucket(mine, {((16, 32), (32, 8))})  # other text length
+    assert not has_bucket(mine, {((4, 16), (64, 8))})  # past the small family's 32 rows

@@ -763,3 +763,33 @@ def test_a_noted_shape_is_built_on_stand_in_feeds_when_idle(engines, executor):
     assert padded.build_pending() is False and not backend.pending
     assert padded.build_pending() is False
     assert backend.slots[JOINT_GRAPH].stats()["builds"] == before + 2
+
+
+def test_the_common_joint_shapes_are_noted_for_building_before_ready(engines, executor):
+    """`Executor.note_buckets`: the largest fitted joint pass of each common pair of lengths,
+    noted where the backend has not built it (none on the CPU, where nothing is built per
+    shape); each serves every joint pass of its lengths (`larger_joints`)."""
+    from runtime.config import RuntimeConfig
+    from runtime.passes import BUCKET_OPTIONS, BUCKET_TEXTS, bucket_joints, larger_joints
+
+    assert executor.note_buckets() == 0
+    wrapped = FirstShapesOnly(executor.backend)
+    config = RuntimeConfig(backend="torch", question_batch=16, prefix_cache=0)
+    noting = load_engine_on(
+        engines, config, wrapped, replace_choices(executor, fixed_prefix_keys=True)
+    )
+    assert noting.note_buckets() == len(BUCKET_TEXTS) * len(BUCKET_OPTIONS) == len(wrapped.later)
+    joints = bucket_joints(16)
+    assert [(jp.question.rows.shape, jp.options.rows.shape) for jp in joints][:4] == [
+        ((16, 16), (32, 8)),
+        ((16, 16), (16, 16)),
+        ((16, 16), (8, 24)),
+        ((16, 16), (8, 32)),
+    ]
+    assert all(larger_joints(jp) == [] for jp in joints)  # none larger: each is its lengths' top
+
+
+def replace_choices(executor, **choices):
+    from dataclasses import replace
+
+    return replace(executor.choices, **choices)
