@@ -813,7 +813,7 @@ def pin_fla_cumsum() -> None:
 
 
 def stand_in(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A feed for warm-up: zeros, except one valid token per row."""
-    if name == "lengths":
+    """A feed for warm-up: zeros, except one valid token per row (a joint pass's parts too)."""
+    if unprefixed(name) == "lengths":
         return torch.ones(shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
