@@ -388,11 +388,39 @@ def serve_command(m: Machine, args) -> dict:
         if args.questions:
             options += ["--questions", str(args.questions)]
         record["load_exit"] = load.main(options)
+        record["gpu_memory"] = gpu_memory()  # after the last run: every shape it built held
+        print(f"GPU memory after the runs: {record['gpu_memory']}")
     finally:
         stop(server)
         record["server_log_tail"] = log_path.read_text(errors="replace")[-LOG_TAIL:]
     m.save(f"serve-{run_name(args)}.json", record)
     return record
+
+
+def gpu_memory() -> dict:
+    """The running server's CUDA memory: torch's allocated and reserved bytes (its /metrics),
+    and the device's memory in use, context and all (nvidia-smi, MiB), where it can be read."""
+    found: dict = {}
+    try:
+        with urllib.request.urlopen(f"{base_url()}/metrics", timeout=5) as answer:
+            found.update(cuda_memory(answer.read().decode()))
+    except (urllib.error.URLError, OSError) as error:
+        found["metrics_error"] = str(error)
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        done = subprocess.run(query, capture_output=True, text=True)
+        found["device_used_mib"] = done.stdout.strip() or done.stderr.strip()
+    return found
+
+
+def cuda_memory(metrics: str) -> dict[str, float]:
+    """torch's CUDA bytes by kind from a worker's /metrics text (`torch_allocated_bytes`...)."""
+    found = {}
+    for line in metrics.splitlines():
+        if line.startswith("omnijev_cuda_memory_bytes{") and 'kind="' in line:
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            found[f"torch_{kind}_bytes"] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def batches_command(m: Machine, args) -> dict:

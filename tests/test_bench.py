@@ -196,3 +196,17 @@ def test_a_joint_pass_has_a_bucket_where_the_runner_finds_one():
     assert not has_bucket(mine, {((2, 16), (32, 8))})  # fewer question rows
     assert not has_bucket(mine, {((16, 32), (32, 8))})  # other text length
     assert not has_bucket(mine, {((4, 16), (64, 8))})  # past the small family's 32 rows
+
+
+def test_the_servers_cuda_memory_is_read_from_its_metrics():
+    """`bench.gpu serve` records the worker's CUDA memory from /metrics beside nvidia-smi's."""
+    from bench.gpu import cuda_memory
+
+    text = (
+        "# HELP omnijev_cuda_memory_bytes CUDA device memory held by torch\n"
+        'omnijev_cuda_memory_bytes{kind="allocated"} 1.5e+10\n'
+        'omnijev_cuda_memory_bytes{kind="reserved"} 2.25e+10\n'
+        "omnijev_admitted_requests 0.0\n"
+    )
+    assert cuda_memory(text) == {"torch_allocated_bytes": 1.5e10, "torch_reserved_bytes": 2.25e10}
+    assert cuda_memory("omnijev_admitted_requests 0.0\n") == {}
