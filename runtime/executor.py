@@ -42,7 +42,6 @@ from runtime.run_passes import (
     State,
     Stopwatch,
     lane_of,
-    padded_prefix,
     pinned_uint8,
     stack_prefixes,
 )
@@ -270,13 +269,12 @@ class Executor:
 
     def image_state(self, prepared: Prepared, clock: Stopwatch) -> tuple[State, State]:
         """(prefix, after prefix) states of a request's image, the prefix padded to the longest
-        prefix's keys where the choices fix them (`padded_prefix`)."""
+        prefix's keys where the choices fix them (kept so in the prefix cache)."""
         work = self.work_of(prepared)
-        prefix, after = self.prefix.states(prepared.image, work.prefix, clock, prepared.image_key)
+        keys = 0
         if self.choices.fixed_prefix_keys:
             keys = longest_prefix(work.prefix_length, prepared.image.image_tokens)
-            prefix = padded_prefix(prefix, keys)
-        return prefix, after
+        return self.prefix.states(prepared.image, work.prefix, clock, prepared.image_key, keys)
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:
         """The response: heads and finishing of every question not made early."""

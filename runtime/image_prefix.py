@@ -15,7 +15,7 @@ from runtime.constants import IMAGE_GRAPH
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.passes import PREFIX_STEP, Pass, bucket
-from runtime.run_passes import PassRunner, State, Stopwatch, to_device
+from runtime.run_passes import PassRunner, State, Stopwatch, padded_prefix, to_device
 from runtime.types import PreparedImage
 
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
@@ -40,10 +40,16 @@ class ImagePrefix:
         self.tables: LRU[tuple, dict[str, torch.Tensor]] = LRU(VISION_TABLES)
 
     def states(
-        self, image: PreparedImage, rows: Pass, clock: Stopwatch, key: str | None = None
+        self,
+        image: PreparedImage,
+        rows: Pass,
+        clock: Stopwatch,
+        key: str | None = None,
+        keys: int = 0,
     ) -> tuple[State, State]:
         """(prefix, after prefix) states of an image and its prefix's pass: from the prefix
-        cache, else the vision tower and the prefix pass enqueued (laps "vision", "prefix").
+        cache, else the vision tower and the prefix pass enqueued (laps "vision", "prefix"),
+        the prefix padded to `keys` keys where given (`padded_prefix`) before it is kept.
         `key`: their `prefix_key` where the preparation made it."""
         if self.cache.size == 0:
             key = None
@@ -56,7 +62,8 @@ class ImagePrefix:
             return cached
         features = self.vision(image)
         clock.lap("vision")
-        states = self.runner.run_prefix(rows, features)
+        prefix, after = self.runner.run_prefix(rows, features)
+        states = (padded_prefix(prefix, keys), after) if keys else (prefix, after)
         clock.lap("prefix")
         if key is not None:
             self.cache.put(key, states)

@@ -422,26 +422,23 @@ class Worker:
         warm-up request with its companion as one batch, whose shapes are then built before
         ready, and against each alone; requests run alone where the bytes differ."""
         start = time.perf_counter()
-        merges = await self.scheduler.execute(Ticket(), self._check_batches, None)
+        engine: Any = self.engine
+        merges = await self.scheduler.execute(Ticket(), lambda _: engine.check_batches(), None)
         log.info("warm-up batch in %.3f s, merges %s", time.perf_counter() - start, merges)
 
     async def _warm_up_buckets(self) -> None:
         """The engine's common joint-pass shapes (`Executor.note_buckets`), built on the
-        execution thread one at a time before ready: a later pass of those lengths runs in one."""
+        execution thread before ready: a later pass of those lengths runs in one."""
         start = time.perf_counter()
-        noted = await self.scheduler.execute(Ticket(), self._note_buckets, None)
-        while noted and await self.scheduler.execute(Ticket(), self._build_pending, None):
-            pass
+        noted = await self.scheduler.execute(Ticket(), self._build_buckets, None)
         log.info("warm-up buckets: %d in %.3f s", noted, time.perf_counter() - start)
 
-    def _note_buckets(self, _: None) -> int:
-        return self.engine.note_buckets()  # type: ignore[attr-defined]
-
-    def _build_pending(self, _: None) -> bool:
-        return self.engine.build_pending()  # type: ignore[attr-defined]
-
-    def _check_batches(self, _: None) -> bool:
-        return self.engine.check_batches()  # type: ignore[attr-defined]
+    def _build_buckets(self, _: None) -> int:
+        engine: Any = self.engine
+        noted = engine.note_buckets()
+        while noted and engine.build_pending():
+            pass
+        return noted
 
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)

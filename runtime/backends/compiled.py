@@ -520,7 +520,7 @@ class TorchBackend:
             else:
                 self.slots[graph].run(signature(graph, feeds), feeds, outputs)
             return
-        body = {n: t for n, t in feeds.items() if unprefixed(n) not in READOUT_INPUTS}
+        body = graph_body(feeds)
         states = {n: t for n, t in outputs.items() if unprefixed(n) not in READOUT_OUTPUTS}
         if self.device.type != "cuda":
             results = self.compute(graph, body)
@@ -535,14 +535,6 @@ class TorchBackend:
     def graph_slots(self, graph: str, lane: int) -> GraphSlots:
         """The slots a pass of `graph` in `lane` replays."""
         return self.lane_slots[lane - 1] if lane else self.slots[graph]
-
-    def body(self, graph: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The feeds a pass's graph takes (its readout's aside): what its slots are keyed by."""
-        return {
-            n: t
-            for n, t in self.checked(graph, feeds).items()
-            if unprefixed(n) not in READOUT_INPUTS
-        }
 
     def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
         """The readouts of a pass from `flat`; a joint pass's option tokens follow its question
@@ -579,16 +571,15 @@ class TorchBackend:
         new = 0
         for given in signatures:
             graph, *specs = given
-            feeds = {
-                name: stand_in(name, shape, dtype, self.device)
-                for name, shape, dtype in specs
-                if unprefixed(name) not in READOUT_INPUTS
-            }
+            feeds = graph_body(
+                {name: stand_in(name, shape, dtype, self.device) for name, shape, dtype in specs}
+            )
             key, slots = signature(graph, feeds), self.graph_slots(graph, lane)
-            if slots.get(key) is not None:
+            slot = slots.get(key)
+            if slot is not None and slot.built:
                 continue
-            for _ in range(slots.warm_launches + 1):  # eager launches, then the capture
-                slots.run(key, feeds, {})
+            while slot is None or not slot.built:  # eager launches, then the capture
+                slot = slots.run(key, feeds, {})
             new += 1
         return new
 
@@ -598,11 +589,12 @@ class TorchBackend:
     def built(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> bool:
         if self.device.type != "cuda":
             return True  # nothing is captured: every shape runs as it comes
-        slot = self.graph_slots(graph, lane).get(signature(graph, self.body(graph, feeds)))
+        key = signature(graph, graph_body(self.checked(graph, feeds)))
+        slot = self.graph_slots(graph, lane).get(key)
         return slot is not None and slot.built
 
     def build_later(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> None:
-        body = self.body(graph, feeds)
+        body = graph_body(self.checked(graph, feeds))
         specs = tuple((name, tuple(t.shape), t.dtype) for name, t in body.items())
         self.pending[(graph, *specs)] = lane
 
@@ -715,6 +707,11 @@ def lane_streams(device: torch.device, lanes: int) -> list[torch.cuda.Stream]:
     if len({s.cuda_stream for s in streams}) != lanes:
         raise RuntimeError(f"lanes need {lanes} distinct CUDA streams")
     return streams
+
+
+def graph_body(feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The feeds a pass's graph takes, its readout's aside: what its slots are keyed by."""
+    return {n: t for n, t in feeds.items() if unprefixed(n) not in READOUT_INPUTS}
 
 
 def unprefixed(name: str) -> str:
