@@ -9,7 +9,8 @@ on the CPU with the tiny preset in float32.
     serve     `omnijev serve` (prefix cache off) under closed-loop HTTP load (bench.load)
     batches   the traffic suite's requests alone and batched in process: bytes, times, builds
     sizes     the first request about each of 10 image sizes not warmed, against it warm
-    plans     the GPU's pass plans of the suite: passes, token slots, graph keys and misses
+    plans     the GPU's pass plans of the suite: passes, token slots, graph keys and misses;
+              with --times, a sizes record's requests planned and their warm times fitted
 
 Every setting is a RuntimeConfig or an `omnijev` option; nothing is patched.
 """
@@ -458,11 +459,29 @@ def plans_command(m: Machine, args) -> dict:
 
     build(m, args)
     executor = executor_for(m, m.engines())
+    if args.times:
+        return replanned_sizes(m, executor, args)
     record = {
         "environment": environment(),
         **plans(executor, args.seed, args.requests, args.questions),
     }
     m.save(f"plans{'-q' + str(args.questions) if args.questions else ''}.json", record)
+    print(table(record))
+    return record
+
+
+def replanned_sizes(m: Machine, executor, args) -> dict:
+    """`plans --times RECORD`: a `sizes` record's requests planned here beside its times, and
+    the warm times fitted on the plans' passes and token slots."""
+    from bench.sizes import replanned, table
+
+    measured = json.loads(args.times.read_text())
+    record = {
+        "environment": environment(),
+        "times": str(args.times),
+        **replanned(executor, measured, args.seed, args.questions),
+    }
+    m.save(f"plans-{args.times.stem}.json", record)
     print(table(record))
     return record
 
@@ -517,6 +536,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--questions", type=int, default=None, help="serve, sizes, plans: questions each"
     )
     parser.add_argument("--seed", type=int, default=0, help="serve: the traffic suite's")
+    parser.add_argument(
+        "--times", type=Path, default=None, help="plans: a sizes record's requests, planned"
+    )
     parser.add_argument("--answers", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = sorted(set(args.workload or ()) - set(workloads()))

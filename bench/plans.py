@@ -37,14 +37,32 @@ def gpu_plan(prepared: Prepared) -> Plan:
 
 
 def request_row(prepared: Prepared, work: Plan) -> dict:
-    """A request's passes, their token slots (rows × tokens) and the slots real tokens fill."""
-    passes = [p.rows for p in (*work.questions, *work.options)]
-    passes += [part.rows for jp in work.joint for part in (jp.question, jp.options)]
+    """A request's passes, their token slots (rows × tokens), the slots its tokens fill, and
+    where the others go: `filler` rows (a fitted pass rounds its rows up to a power of two),
+    `padding` after a row's tokens (its length bucket), and question texts `repeated` (a
+    question's text runs again in each joint pass that reads it)."""
+    parts = [(qp.rows, qp.members) for qp in work.questions]
+    parts += [(op.rows, op.members) for op in work.options]
+    parts += [(part.rows, part.members) for jp in work.joint for part in (jp.question, jp.options)]
+    slots = filler = padding = 0
+    for rows, members in parts:
+        count, length = len(members), rows.shape[1]
+        slots += int(rows.input_ids.size)
+        filler += (rows.shape[0] - count) * length
+        padding += count * length - int(rows.lengths[:count].sum())
+    repeated, seen = 0, set()
+    for text in [*work.questions, *(jp.question for jp in work.joint)]:
+        lengths = text.rows.lengths
+        repeated += sum(int(lengths[r]) for r, qi in enumerate(text.members) if qi in seen)
+        seen |= set(text.members)
     return {
         "questions": len(prepared.layouts),
         "passes": len(work.questions) + len(work.options) + len(work.joint),
-        "slots": sum(int(rows.input_ids.size) for rows in passes),
-        "tokens": sum(int(rows.lengths.sum()) for rows in passes),
+        "slots": slots,
+        "tokens": slots - filler - padding,
+        "filler": filler,
+        "padding": padding,
+        "repeated": repeated,
         "prefix_tokens": work.prefix_length,
     }
 
@@ -63,6 +81,8 @@ def graph_keys(prepared: Prepared, work: Plan) -> Iterator[tuple[str, tuple]]:
         yield f"joint lane {lane_of(jp, LANES)}", shapes
 
 
+# where a request's token slots go (`request_row`); they add up to its slots
+SLOT_USES = ("tokens", "padding", "filler")
 CACHES = {"image": IMAGE_SLOTS, "grid": VISION_TABLES, "prefix": GRAPH_SLOTS}
 
 
@@ -136,13 +156,14 @@ def plans(executor, seed: int, count: int, questions: int | None = None) -> dict
 def table(record: dict) -> str:
     """The requests' medians and means, then one line a graph cache."""
     rows = record["requests"]
-    slots = sum(r["slots"] for r in rows)
-    tokens = sum(r["tokens"] for r in rows)
+    slots = max(sum(r["slots"] for r in rows), 1)
+    share = {key: sum(r[key] for r in rows) / slots for key in (*SLOT_USES, "repeated")}
     lines = [
         f"requests {len(rows)}: passes median {statistics.median(r['passes'] for r in rows)}, "
         f"mean {statistics.fmean(r['passes'] for r in rows):.2f}, max "
-        f"{max(r['passes'] for r in rows)}; token slots a request {slots / len(rows):.0f}, "
-        f"filled {tokens / max(slots, 1):.0%}",
+        f"{max(r['passes'] for r in rows)}; token slots a request {slots / len(rows):.0f}: "
+        + ", ".join(f"{key} {share[key]:.0%}" for key in SLOT_USES)
+        + f" (question texts run again: {share['repeated']:.0%})",
         "| graphs | distinct keys | cache size | runs | misses |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]

@@ -7,7 +7,10 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
+
 from bench import traffic
+from bench.plans import gpu_plan, request_row
 from runtime.strict_json import parse_body
 
 # (width, height): none of traffic.SIZES, the warm-up's; phones, laptops, an ultrawide, scans
@@ -24,6 +27,9 @@ UNSEEN = (
     (1536, 2048),
 )
 WARM_RUNS = 5  # runs of each request once its shapes are built
+# the warm times fitted as ms ≈ a + b × passes + c × thousands of token slots (`fit`): what a
+# pass costs whatever it holds, and what its slots cost (products, kernels over its rows)
+FIT_TERMS = ("ms", "ms a pass", "ms a thousand slots")
 
 
 def timed(executor, body: bytes) -> tuple[float, int, float]:
@@ -44,6 +50,7 @@ def sizes(
     for index, size in enumerate(UNSEEN[:count]):
         made = traffic.request(seed, index, "held-out", questions=questions, size=size)
         first, builds, build_s = timed(executor, made.body)
+        plan = planned(executor, made.body)
         warm = [timed(executor, made.body)[0] for _ in range(runs)]
         rows.append(
             {
@@ -55,21 +62,66 @@ def sizes(
                 "build_s": build_s,
                 "warm_ms": warm,
                 "ratio": first / statistics.median(warm),
+                "plan": plan,
             }
         )
-    return {"rows": rows}
+    return {"rows": rows, "fit": fit(rows)}
+
+
+def planned(executor, body: bytes) -> dict:
+    """The request's passes and token slots as the torch backend on a GPU plans them."""
+    prepared = executor.prepare(parse_body(body))
+    return request_row(prepared, gpu_plan(prepared))
+
+
+def replanned(executor, record: dict, seed: int, questions: int | None) -> dict:
+    """A sizes record measured before its rows carried plans, with them and the fit: its
+    requests made again (the `seed` and `questions` it was measured with) and planned here
+    (plans follow the tokenizer and the image sizes, so the tiny checkpoint on the CPU gives
+    the 4b's)."""
+    rows = []
+    for row in record["rows"]:
+        size = tuple(row["size"])
+        made = traffic.request(seed, UNSEEN.index(size), "held-out", questions, size=size)
+        if (made.format, made.questions) != (row["format"], row["questions"]):
+            raise ValueError(f"the {size} request is not the record's: other seed or questions")
+        rows.append({**row, "plan": planned(executor, made.body)})
+    return {**record, "rows": rows, "fit": fit(rows)}
+
+
+def fit(rows: list[dict]) -> dict | None:
+    """Least squares of the warm medians on the plans' passes and token slots, with each
+    request's residual; None for fewer requests than terms."""
+    if len(rows) < len(FIT_TERMS) + 1:
+        return None
+    terms = np.array([[1.0, r["plan"]["passes"], r["plan"]["slots"] / 1e3] for r in rows])
+    warm = np.array([statistics.median(r["warm_ms"]) for r in rows])
+    coefficients = np.linalg.lstsq(terms, warm, rcond=None)[0]
+    residuals = warm - terms @ coefficients
+    return {
+        **dict(zip(FIT_TERMS, map(float, coefficients), strict=True)),
+        "residual_ms": [float(x) for x in residuals],
+    }
 
 
 def table(record: dict) -> str:
     lines = [
-        "| size | format | questions | first ms | warm ms | first / warm | builds | build s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| size | format | questions | first ms | warm ms | first / warm | builds | build s "
+        "| passes | token slots | filled |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in record["rows"]:
         w, h = r["size"]
+        plan = r.get("plan") or {"passes": "–", "slots": "–", "tokens": 0}
+        filled = f"{plan['tokens'] / plan['slots']:.0%}" if plan["tokens"] else "–"
         lines.append(
             f"| {w}×{h} | {r['format']} | {r['questions']} | {r['first_ms']:.1f} | "
             f"{statistics.median(r['warm_ms']):.1f} | {r['ratio']:.2f} | {r['builds']} | "
-            f"{r['build_s']:.2f} |"
+            f"{r['build_s']:.2f} | {plan['passes']} | {plan['slots']} | {filled} |"
         )
+    made = record.get("fit")
+    if made:
+        terms = " + ".join(f"{made[term]:.1f} {term}" for term in FIT_TERMS)
+        spread = max(abs(x) for x in made["residual_ms"])
+        lines.append(f"warm ≈ {terms} (least squares; residuals within {spread:.1f} ms)")
     return "\n".join(lines)

@@ -162,7 +162,35 @@ def test_the_unseen_sizes_measurement_times_first_and_warm_requests(executor):
         assert row["questions"] == 1 and len(row["warm_ms"]) == 2
         assert row["ratio"] == pytest.approx(row["first_ms"] / statistics.median(row["warm_ms"]))
         assert row["builds"] == 0
+        assert row["plan"]["questions"] == 1 and row["plan"]["passes"] >= 1
+    assert record["fit"] is None  # two requests do not fit three terms
     assert "| 1080×2400 |" in table(record)
+
+
+def test_a_sizes_record_is_planned_again_and_its_times_fitted(executor):
+    """`bench.gpu plans --times`: a sizes record's requests made again and planned; the warm
+    times fitted on passes and slots; a record of other requests is refused."""
+    from bench import traffic
+    from bench.sizes import FIT_TERMS, UNSEEN, replanned, table
+
+    rows = []
+    for size in UNSEEN[:5]:
+        made = traffic.request(0, UNSEEN.index(size), "held-out", 2, size=size)
+        rows.append(
+            {"size": list(size), "format": made.format, "questions": 2, "first_ms": 9.0,
+             "builds": 0, "build_s": 0.0, "warm_ms": [5.0], "ratio": 1.8}
+        )  # fmt: skip
+    for mine, theirs in zip(rows, replanned(executor, {"rows": rows}, 0, 2)["rows"], strict=True):
+        plan = theirs["plan"]
+        assert plan["tokens"] + plan["padding"] + plan["filler"] == plan["slots"]
+        mine["warm_ms"] = [10.0 + 4.0 * plan["passes"] + 3.0 * plan["slots"] / 1e3]
+    record = replanned(executor, {"rows": rows}, 0, 2)
+    # times that follow the plans exactly are fitted exactly
+    assert set(FIT_TERMS) <= set(record["fit"])
+    assert max(map(abs, record["fit"]["residual_ms"])) < 1e-6
+    assert "warm ≈ " in table(record)
+    with pytest.raises(ValueError, match="not the record's"):
+        replanned(executor, {"rows": rows}, 0, 3)
 
 
 def test_the_plan_statistics_count_slots_keys_and_cache_misses(executor):
@@ -174,6 +202,8 @@ def test_the_plan_statistics_count_slots_keys_and_cache_misses(executor):
     assert len(record["requests"]) == 12
     for row in record["requests"]:
         assert 0 < row["tokens"] <= row["slots"] and row["passes"] >= 1
+        assert row["tokens"] + row["padding"] + row["filler"] == row["slots"]
+        assert 0 <= row["repeated"] <= row["tokens"]
     for cache in record["caches"].values():
         assert cache["distinct"] <= cache["misses"] <= cache["runs"]
     assert record["caches"]["image"]["distinct"] == 10  # the suite's sizes, each once a block
