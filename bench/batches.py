@@ -12,6 +12,7 @@ import numpy as np
 
 from bench import traffic
 from bench.parity import without_latency
+from bench.plans import request_row
 from bench.workloads import bench_bodies
 from runtime.batch import batch_size, same_readouts
 from runtime.strict_json import parse_body
@@ -81,13 +82,12 @@ def batches(executor, seed: int, count: int) -> dict:
         stacked = executor.readouts(p, images=[p, p])
         alone.append(first)
         stacks.append(stacked)
-        work = executor.work_of(p)
+        plan = request_row(p, executor.work_of(p))
         record["requests"].append(
             {
                 "questions": len(p.layouts),
                 "rows": sum(len(layout.rows) for layout in p.layouts),
-                "prefix_tokens": work.prefix_length,
-                "passes": len(work.questions) + len(work.options) + len(work.joint),
+                **{key: plan[key] for key in ("prefix_tokens", "passes", "slots", "tokens")},
                 "ms": times,
                 "builds": builds,
                 "repeatable": same_readouts(again, first),
@@ -149,13 +149,14 @@ def table(record: dict) -> str:
 def requests_table(record: dict) -> str:
     """One line a request alone: what it asks, its passes, its times and builds."""
     lines = [
-        "| request | questions | rows | prefix tokens | passes | first ms | warm ms | builds "
-        "| again same | two prefixes same |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+        "| request | questions | rows | prefix tokens | passes | token slots | first ms "
+        "| warm ms | builds | again same | two prefixes same |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for i, r in enumerate(record["requests"]):
         lines.append(
             f"| {i} | {r['questions']} | {r['rows']} | {r['prefix_tokens']} | {r['passes']} | "
+            f"{r['slots']} | "
             f"{r['ms'][0]:.1f} | {statistics.median(r['ms'][1:]):.1f} | {r['builds']} | "
             f"{r['repeatable']} | {r['two_prefixes_same']} |"
         )

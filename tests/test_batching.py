@@ -379,6 +379,7 @@ def test_the_batch_measurement_finds_every_byte_kept_where_it_is(executor) -> No
 
     record = batches(executor, 0, 0)
     assert all(r["repeatable"] and r["two_prefixes_same"] for r in record["requests"])
+    assert all(0 < r["tokens"] <= r["slots"] for r in record["requests"])
     assert record["batches"] and all(all(b["same"]) for b in record["batches"])
     assert all(b["gap"] == 0 and all(b["same_as_stacked"]) for b in record["batches"])
     assert all(all(b["same_answers"]) for b in record["batches"])
