@@ -475,12 +475,13 @@ def replanned_sizes(m: Machine, executor, args) -> dict:
     the warm times fitted on the plans' passes and token slots."""
     from bench.sizes import replanned, table
 
-    measured = json.loads(args.times.read_text())
-    record = {
-        "environment": environment(),
-        "times": str(args.times),
-        **replanned(executor, measured, args.seed, args.questions),
-    }
+    measured = args.sizes_record
+    try:
+        record = replanned(executor, measured, args.seed, args.questions)
+    except ValueError as error:
+        raise SystemExit(f"plans --times: {error}") from None
+    record["times"] = {"path": str(args.times), "environment": measured.get("environment")}
+    record["environment"] = environment()
     m.save(f"plans-{args.times.stem}.json", record)
     print(table(record))
     return record
@@ -541,6 +542,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--answers", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.sizes_record = None
+    if args.times is not None:
+        from bench.sizes import read_record
+
+        try:
+            args.sizes_record = read_record(args.times)
+        except ValueError as error:
+            parser.error(f"--times: {error}")
     unknown = sorted(set(args.workload or ()) - set(workloads()))
     if unknown:
         parser.error(f"unknown workload {unknown[0]!r}; one of {sorted(workloads())}")

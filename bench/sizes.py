@@ -4,8 +4,10 @@ request, and the shape builds it made."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -72,6 +74,36 @@ def planned(executor, body: bytes) -> dict:
     """The request's passes and token slots as the torch backend on a GPU plans them."""
     prepared = executor.prepare(parse_body(body))
     return request_row(prepared, gpu_plan(prepared))
+
+
+def read_record(path: Path) -> dict:
+    """A `sizes` record from its JSON file, its rows checked: ValueError says what is wrong."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: {error}") from None
+    rows = record.get("rows") if isinstance(record, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: no sizes record (it has no rows)")
+    for index, row in enumerate(rows):
+        if not (isinstance(row, dict) and sizes_row(row)):
+            raise ValueError(f"{path}: row {index} is not a row of `bench.gpu sizes`")
+    return record
+
+
+def sizes_row(row: dict) -> bool:
+    """Whether a record's row has what `replanned` and `table` read, of the right kinds."""
+    numbers = [row.get(key) for key in ("first_ms", "ratio", "build_s")]
+    warm = row.get("warm_ms")
+    return (
+        tuple(row.get("size") or ()) in UNSEEN
+        and row.get("format") in traffic.FORMATS
+        and isinstance(row.get("questions"), int)
+        and isinstance(row.get("builds"), int)
+        and isinstance(warm, list)
+        and bool(warm)
+        and all(isinstance(x, int | float) for x in [*numbers, *warm])
+    )
 
 
 def replanned(executor, record: dict, seed: int, questions: int | None) -> dict:

@@ -240,3 +240,25 @@ def test_the_servers_cuda_memory_is_read_from_its_metrics():
     )
     assert cuda_memory(text) == {"torch_allocated_bytes": 1.5e10, "torch_reserved_bytes": 2.25e10}
     assert cuda_memory("omnijev_admitted_requests 0.0\n") == {}
+
+
+def test_a_malformed_sizes_record_is_named_not_traced(tmp_path, capsys):
+    """`plans --times` given a file that is no sizes record says which and why, exit 2."""
+    from bench.gpu import parse_args
+    from bench.sizes import read_record
+
+    files = {
+        "bad.json": ("{", "Expecting"),
+        "rowless.json": ('{"rows": []}', "no sizes record"),
+        "other.json": ('{"rows": [{"size": [1, 1], "format": "PNG"}]}', "row 0 is not a row"),
+    }
+    for name, (text, said) in files.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=said):
+            read_record(tmp_path / name)
+    with pytest.raises(ValueError, match="No such file"):
+        read_record(tmp_path / "missing.json")
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["plans", "--times", str(tmp_path / "other.json")])
+    assert exited.value.code == 2
+    assert "--times: " in capsys.readouterr().err
