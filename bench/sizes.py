@@ -1,6 +1,7 @@
 """The first request about each image size the warm-up never saw, against the same request
 once its shapes are built (`python -m bench.gpu sizes`): what a new size costs inside a
-request, and the shape builds it made."""
+request, the shape builds it made, and its plan; the warm times fitted on the plans' passes
+and token slots (what a pass and a slot cost on the machine)."""
 
 from __future__ import annotations
 
