@@ -449,7 +449,7 @@ def sizes_command(m: Machine, args) -> dict:
         executor.answer(body)
     record = {"environment": environment(), "warm_builds": executor.shape_builds()}
     record.update(sizes(executor, args.seed, args.questions))
-    m.save(f"sizes{'-q' + str(args.questions) if args.questions else ''}.json", record)
+    m.save(f"sizes{questions_suffix(args)}.json", record)
     print(table(record))
     return record
 
@@ -465,7 +465,7 @@ def plans_command(m: Machine, args) -> dict:
         "environment": environment(),
         **plans(executor, args.seed, args.requests, args.questions),
     }
-    m.save(f"plans{'-q' + str(args.questions) if args.questions else ''}.json", record)
+    m.save(f"plans{questions_suffix(args)}.json", record)
     print(table(record))
     return record
 
@@ -489,7 +489,12 @@ def replanned_sizes(m: Machine, executor, args) -> dict:
 
 def run_name(args) -> str:
     """A serve run's name in its records: the suite, and the questions where they are fixed."""
-    return args.suite + (f"-q{args.questions}" if args.questions else "")
+    return args.suite + questions_suffix(args)
+
+
+def questions_suffix(args) -> str:
+    """A record's name ends in the questions a request where they are fixed."""
+    return f"-q{args.questions}" if args.questions else ""
 
 
 # -- command line ------------------------------------------------------------------------------

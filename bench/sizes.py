@@ -50,8 +50,8 @@ def sizes(
 ) -> dict:
     """The first `count` unseen sizes' first request each, then `runs` of it warm."""
     rows = []
-    for index, size in enumerate(UNSEEN[:count]):
-        made = traffic.request(seed, index, "held-out", questions=questions, size=size)
+    for size in UNSEEN[:count]:
+        made = unseen_request(seed, size, questions)
         first, builds, build_s = timed(executor, made.body)
         plan = planned(executor, made.body)
         warm = [timed(executor, made.body)[0] for _ in range(runs)]
@@ -69,6 +69,11 @@ def sizes(
             }
         )
     return {"rows": rows, "fit": fit(rows)}
+
+
+def unseen_request(seed: int, size: tuple[int, int], questions: int | None):
+    """The measured request about an UNSEEN size: the seed's held-out stream at its index."""
+    return traffic.request(seed, UNSEEN.index(size), "held-out", questions=questions, size=size)
 
 
 def planned(executor, body: bytes) -> dict:
@@ -115,7 +120,7 @@ def replanned(executor, record: dict, seed: int, questions: int | None) -> dict:
     rows = []
     for row in record["rows"]:
         size = tuple(row["size"])
-        made = traffic.request(seed, UNSEEN.index(size), "held-out", questions, size=size)
+        made = unseen_request(seed, size, questions)
         if (made.format, made.questions) != (row["format"], row["questions"]):
             raise ValueError(f"the {size} request is not the record's: other seed or questions")
         rows.append({**row, "plan": planned(executor, made.body)})
