@@ -26,6 +26,9 @@ JOINT_GRAPH = "lm_joint"
 # The torch backend's vision tower from the decoded uint8 image (`rgb`, then the tower's tables):
 # the device resize and patches in the tower's CUDA graph, not launched op by op before it
 IMAGE_GRAPH = "image"
+# The torch backend's token-packed pass (runtime.packing, runtime.model.packed): every row of a
+# request's questions and options end to end in one of a few fixed token counts
+PACKED_GRAPH = "lm_packed"
 JOINT = "opt."
 JOINT_PREFIXES = (JOINT,)  # the option part's prefix: one option pass a joint pass
 

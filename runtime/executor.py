@@ -23,8 +23,10 @@ from runtime.backends import Backend, choose_backend
 from runtime.batch import batch_size, merged, same_readouts, split
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, JOINT_GRAPH, MAX_PREFIXES, MODEL_ID
+from runtime import packing
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
+from runtime.packing import PackedPlan
 from runtime.passes import (
     Plan,
     batch_bucket,
@@ -168,10 +170,15 @@ class Executor:
     def plan_of(self, prepared: Prepared) -> tuple:
         """(pass shape, plan) of a request, as `readouts` takes them from `Prepared.planned`."""
         shape = self.pass_shape()
+        if self.choices.packed:
+            return shape, packing.plan(prepared)
         return shape, plan(prepared, *shape, joint=self.choices.joint)
 
-    def pass_shape(self) -> tuple[int, bool]:
-        """(question pass rows, fitted passes) of this executor's plans."""
+    def pass_shape(self) -> tuple:
+        """(question pass rows, fitted passes) of this executor's plans; ("packed",) where
+        its passes are packed."""
+        if self.choices.packed:
+            return ("packed",)
         return self.config.question_batch, self.choices.fit
 
     def execute(self, prepared: Prepared) -> dict:
@@ -228,6 +235,8 @@ class Executor:
         `images`: for a merged batch, the request of each image prefix its rows read."""
         work = self.work_of(prepared)
         clock = Stopwatch(self.stages, self.stage_sync)
+        if isinstance(work, PackedPlan):
+            return self.packed_readouts(prepared, work, images, clock)
         early = self.early_heads_on(work)
         last = len(work.joint) - 1
         landings: list[Landing] = []
@@ -255,6 +264,35 @@ class Executor:
             behind.hand_out(late, collected, landing.mlps)
         made.update(zip(late, collected, strict=True))
         return [made[qi] for qi in range(len(prepared.layouts))]
+
+    def packed_readouts(
+        self,
+        prepared: Prepared,
+        work: PackedPlan,
+        images: list[Prepared] | None,
+        clock: Stopwatch,
+    ) -> list[QuestionReadout]:
+        """`readouts` of a packed plan: every packed pass enqueued, then one wait."""
+        with torch.inference_mode():
+            states = self.image_states(images or [prepared], clock)
+            reads: list = []
+            for packed in work.passes:
+                out = self.runner.run_packed(packed, *states)
+                reads += [(packed.question, out), (packed.options, out)]
+            clock.lap("options")
+            every = list(range(len(prepared.layouts)))
+            behind = self.mlps_behind(prepared, every, reads)
+            outputs = behind.outputs if behind is not None else None
+            landing = Landing.enqueue(reads, self.device, outputs)
+        landing.wait()
+        with torch.inference_mode():
+            taken = HostReadouts()
+            landing.into(taken)
+            clock.lap("readouts")
+        collected = taken.collect(prepared, every)
+        if behind is not None:
+            behind.hand_out(every, collected, landing.mlps)
+        return collected
 
     def image_states(self, images: list[Prepared], clock: Stopwatch) -> tuple[State, State]:
         """(prefix, after prefix) states of each request's image (`ImagePrefix.states`), stacked
@@ -301,6 +339,8 @@ class Executor:
         """The plan made while preparing, where it was made for this executor's pass shape."""
         shape, planned = self.pass_shape(), prepared.planned
         work = planned[1] if planned and planned[0] == shape else None
+        if isinstance(work, PackedPlan):
+            return work
         if work is None or work.joined != self.choices.joint:
             work = self.plan_of(prepared)[1]
         return work

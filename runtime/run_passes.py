@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from runtime.backends import Backend, Capabilities
-from runtime.constants import JOINT, JOINT_GRAPH
+from runtime.constants import JOINT, JOINT_GRAPH, PACKED_GRAPH
+from runtime.packing import PackedPass
 from runtime.passes import (
     OPTION_STEP,
     JointPass,
@@ -128,6 +129,7 @@ class Choices:
     mlps_behind: bool  # those MLPs enqueued right behind the passes, back with the readouts
     early_heads: bool  # heads of questions finished by earlier joint passes beside later ones
     fixed_prefix_keys: bool = False  # every prefix padded to the longest's keys (padded_prefix)
+    packed: bool = False  # token-packed passes (runtime.packing)
 
     @classmethod
     def of(cls, capabilities: Capabilities) -> Choices:
@@ -141,6 +143,7 @@ class Choices:
             mlps_behind=on_device,
             early_heads=on_device,
             fixed_prefix_keys=capabilities.fixed_prefix_keys,
+            packed=capabilities.packed,
         )
 
 
@@ -204,6 +207,20 @@ class PassRunner:
         return ran
 
     # -- passes ---------------------------------------------------------------------------
+
+    def run_packed(
+        self, packed: PackedPass, prefix: State, after_prefix: State
+    ) -> dict[str, torch.Tensor]:
+        """A packed pass (`lm_packed`): its readouts, the hidden states at its `read_rows` and
+        the log-probabilities of its `targets`."""
+        arrays = packed.arrays()
+        outputs = {
+            "hidden": torch.empty(len(arrays["read_rows"]), self.dims.hidden, device=self.device),
+            "logprobs": torch.empty(len(arrays["target_tokens"]), device=self.device),
+        }
+        feeds = self.feeds(arrays, self.dummy_features(), prefix, after_prefix)
+        self.backend.run(PACKED_GRAPH, feeds, outputs)
+        return outputs
 
     def run_prefix(self, rows: Pass, features: torch.Tensor) -> tuple[State, State]:
         """The image prefix (the plan's `prefix` pass): its K/V become every later row's shared

@@ -23,6 +23,9 @@ class Capabilities:
     # `lm_joint` runs an option pass with its questions' rows as one pass, a row's bytes kept
     # (runtime.passes.plan(joint=True)); only with `rows_fit`
     joint: bool = False
+    # `lm_packed` runs token-packed passes (runtime.packing): rows of any length end to end in
+    # a few fixed token counts, a row's bytes whatever else the pass holds
+    packed: bool = False
     # `image` runs the vision tower from the decoded uint8 image (resize and patches inside)
     image_graph: bool = False
     # `run` given no readout outputs (`hidden`, `logprobs`) runs no readout

@@ -34,6 +34,7 @@ from runtime.constants import (
     JOINT,
     JOINT_GRAPH,
     MAX_PREFIXES,
+    PACKED_GRAPH,
     QUESTION_TOKENS,
     SMALL_OPTION_TOKENS,
 )
@@ -49,6 +50,7 @@ from runtime.model.language import (
     pass_body,
 )
 from runtime.model.layers import product
+from runtime.model.packed import PACKED_BLOCKS, ROW_TABLES, TOKEN_INPUTS, packed_body
 
 log = logging.getLogger("omnijev.torch")
 
@@ -81,7 +83,7 @@ VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tab
 # resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph,
 # in place of launching the upload, the device resize and the patches op by op before it
 IMAGE_INPUTS = ("rgb", *VISION_INPUTS[1:])
-LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH)
+LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH, PACKED_GRAPH)
 VISION_GRAPHS = ("vision", IMAGE_GRAPH)  # the tower from packed pixels, or from the image
 VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
 # read by the readout, which runs after the captured body: a pass's graph is keyed by the body's
@@ -158,6 +160,20 @@ def attention_kernel(wanted: bool) -> Callable | None:
     from runtime.model import attention_kernels
 
     return attention_kernels.rows_attention if attention_kernels.triton is not None else None
+
+
+def packed_forms(cuda: bool) -> tuple[Callable, Callable]:
+    """The packed pass's attention and Gated DeltaNet recurrence: on CUDA the Triton kernels,
+    which read each row's offsets in place (no host wait: they are captured in the pass's
+    graph); elsewhere the eager forms, a row at a time."""
+    from runtime.model import packed
+
+    if cuda:
+        from runtime.model import packed_kernels
+
+        if packed_kernels.triton is not None:
+            return packed_kernels.packed_attention, packed_kernels.packed_gated_delta
+    return packed.packed_attention_eager, packed.packed_delta_eager
 
 
 def engine_dtype(engines_dir: Path, cuda: bool) -> torch.dtype:
@@ -355,6 +371,7 @@ class TorchBackend:
             # many prefixes cost the CPU and float32 paths a product each
             prefixes=MAX_PREFIXES,
             merges=not cuda,
+            packed=True,
             # the suite's 160 requests gave 129 joint-pass shapes with the prefix's own length,
             # 41 with the longest (bench.gpu plans), each captured inside the requests that met
             # it first; the attention kernel adds a masked key's weight as an exact zero
@@ -383,12 +400,15 @@ class TorchBackend:
         export keeps its own)."""
         half = self.dtype in (torch.bfloat16, torch.float16)
         kernel = attention_kernel(cuda and half)
+        packed_attend, packed_core = packed_forms(cuda)
         for layer in self.language.layers:
             if layer.kind == "full_attention":
                 layer.self_attn.attend = kernel or folded_attention
+                layer.self_attn.packed_attend = packed_attend
                 layer.self_attn.fuse()
             else:
                 layer.linear_attn.core = "fla" if self.fla else "eager"
+                layer.linear_attn.packed_core = packed_core
                 layer.linear_attn.fuse()
             layer.mlp.fuse()  # 4 products a layer in place of 7 or 8
         # fused attention only in half precision: its float32 kernels are not the reference's
@@ -438,6 +458,7 @@ class TorchBackend:
             "lm_state": partial(pass_body, self.language, return_state=True),
             "lm_rows": partial(pass_body, self.language, return_state=False),
             JOINT_GRAPH: partial(joint_body, self.language),
+            PACKED_GRAPH: partial(packed_body, self.language),
             "readout": partial(piece_norms, vocab=self.vocab),
             "pick": picked_logprobs,
         }
@@ -451,11 +472,13 @@ class TorchBackend:
         self.compile_modes = invariant_compilation()
         blocks = {name: torch.compile(f, dynamic=True) for name, f in BLOCKS.items()}
         joint = {name: torch.compile(f, dynamic=True) for name, f in JOINT_BLOCKS.items()}
+        packed = {name: torch.compile(f, dynamic=True) for name, f in PACKED_BLOCKS.items()}
         return {
             "vision": torch.compile(self.vision, dynamic=True),
             "lm_state": partial(pass_body, self.language, return_state=True, blocks=blocks),
             "lm_rows": partial(pass_body, self.language, return_state=False, blocks=blocks),
             JOINT_GRAPH: partial(joint_body, self.language, blocks=joint),
+            PACKED_GRAPH: partial(packed_body, self.language, blocks=packed),
             "readout": torch.compile(functions["readout"], dynamic=False),
             "pick": torch.compile(picked_logprobs, dynamic=True),
         }
@@ -465,6 +488,8 @@ class TorchBackend:
             return dict.fromkeys(VISION_INPUTS, torch.float32)
         if graph == IMAGE_GRAPH:
             return {"rgb": torch.uint8, **dict.fromkeys(IMAGE_INPUTS[1:], torch.float32)}
+        if graph == PACKED_GRAPH:
+            return self.packed_dtypes()
         dtypes = {}
         for name in lm_input_names(self.config):
             if name in ("prefix_mask", "src_mask"):
@@ -481,6 +506,20 @@ class TorchBackend:
                 dtypes[name] = torch.int64
         if graph == JOINT_GRAPH:
             dtypes.update({JOINT + name: torch.int64 for name in ROW_INPUTS})
+        return dtypes
+
+    def packed_dtypes(self) -> dict[str, torch.dtype]:
+        """`lm_packed`'s inputs: the tokens and row tables, the image prefixes' keys and values,
+        and their after-prefix states."""
+        readouts = ("read_rows", "target_rows", "target_tokens")
+        dtypes = dict.fromkeys((*TOKEN_INPUTS, *ROW_TABLES, *readouts), torch.int64)
+        dtypes["image_features"] = self.dtype
+        for name in lm_input_names(self.config):
+            if name.startswith(("prefix_k.", "prefix_v.", "src_conv.")):
+                dtypes[name] = self.dtype
+            elif name.startswith("src_rec."):
+                dtypes[name] = torch.float32
+        dtypes["prefix_mask"] = torch.bool
         return dtypes
 
     # -- the contract -----------------------------------------------------------------------
