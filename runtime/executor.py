@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
+from runtime import packing
 from runtime.backends import Backend, choose_backend
 from runtime.batch import batch_size, merged, same_readouts, split
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, JOINT_GRAPH, MAX_PREFIXES, MODEL_ID
-from runtime import packing
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.packing import PackedPlan
