@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import packing
+from runtime import packing, passes
 from runtime.backends import Backend, choose_backend
 from runtime.batch import batch_size, merged, same_readouts, split
 from runtime.config import RuntimeConfig
@@ -28,8 +28,11 @@ from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.packing import PackedPlan
 from runtime.passes import (
+    MAX_IMAGE_TOKENS,
+    PREFIX_STEP,
     Plan,
     batch_bucket,
+    bucket,
     bucket_joints,
     early_heads_fit,
     finished_by_joint,
@@ -391,6 +394,34 @@ class Executor:
     def settle(self) -> int:
         """Waits for the backend's fixed-shape sessions still being built; how many there were."""
         return self.backend.settle()
+
+    def build_shapes(self) -> int:
+        """Builds every shape a request the contract admits can need, where the backend
+        captures one graph a shape (packed passes on CUDA): the vision tower's patch buckets,
+        each image prefix length, each packed pass size; how many were built. The worker runs
+        it before it reports ready, so that no request waits for a build."""
+        if not (self.choices.packed and self.device.type == "cuda"):
+            return 0
+        before = self.shape_builds()[0]
+        prepared = self.prepare(warm_up_request())
+        work = self.work_of(prepared)
+        text = work.prefix_length - prepared.image.image_tokens
+        features = self.prefix.feature_rows(MAX_IMAGE_TOKENS)
+        dummy = torch.zeros(features, self.runner.dims.hidden, device=self.device)
+        dummy = dummy.to(self.runner.dtypes["image_features"])
+        shortest, longest = (
+            bucket(text + 1, PREFIX_STEP),
+            bucket(text + MAX_IMAGE_TOKENS, PREFIX_STEP),
+        )
+        with torch.inference_mode():
+            self.backend.prepare(self.backend.vision_shapes())
+            for length in range(shortest, longest + 1, PREFIX_STEP):
+                self.runner.run_prefix(passes.empty_pass(1, length), dummy)
+            states = self.image_state(prepared, Stopwatch(self.stages))
+            for size in packing.PACK_SIZES:
+                self.runner.run_packed(packing.empty_pass(size), *states)
+            torch.cuda.synchronize(self.device)
+        return self.shape_builds()[0] - before
 
     def note_buckets(self) -> int:
         """Notes the largest joint pass of each common pair of lengths (`bucket_joints`) for

@@ -14,7 +14,7 @@ import torch
 from runtime.constants import IMAGE_GRAPH
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
-from runtime.passes import PREFIX_STEP, Pass, bucket
+from runtime.passes import MAX_IMAGE_TOKENS, PREFIX_STEP, Pass, bucket
 from runtime.run_passes import PassRunner, State, Stopwatch, padded_prefix, to_device
 from runtime.types import PreparedImage
 
@@ -77,7 +77,7 @@ class ImagePrefix:
         rows = image.image_tokens
         dtype = self.runner.dtypes["image_features"]
         hidden = self.runner.dims.hidden
-        features = torch.zeros(bucket(rows, PREFIX_STEP), hidden, dtype=dtype, device=self.device)
+        features = torch.zeros(self.feature_rows(rows), hidden, dtype=dtype, device=self.device)
         graph = self.vision_graph(image)
         if graph == IMAGE_GRAPH:
             feeds["rgb"] = self.tensor(image.rgb, torch.uint8)
@@ -86,6 +86,14 @@ class ImagePrefix:
             feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
         self.backend.run(graph, feeds, {self.output_name(graph, "image_features"): features[:rows]})
         return features
+
+    def feature_rows(self, rows: int) -> int:
+        """Rows of the image features the prefix pass takes: the largest image's where the
+        backend captures a graph per shape (`fixed_prefix_keys`), so that the prefix pass has
+        one shape a prefix length, else the image's own rows' bucket."""
+        if self.backend.capabilities.fixed_prefix_keys:
+            return bucket(MAX_IMAGE_TOKENS, PREFIX_STEP)
+        return bucket(rows, PREFIX_STEP)
 
     def vision_graph(self, image: PreparedImage) -> str:
         """`image` (the backend resizes and packs the decoded image inside the tower's graph)

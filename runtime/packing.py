@@ -58,13 +58,11 @@ def pack_size(tokens: int, rows: int) -> int:
 
 @dataclass
 class Piece:
-    """A question's text and some of its options, packed together; `reads` marks the piece that
-    reads the text's readouts (the first of the question's pieces)."""
+    """A question's rows as the planner packs them: its index, option count and tokens."""
 
     question: int
-    options: list[int]
+    options: int
     tokens: int
-    reads: bool
 
 
 @dataclass
@@ -127,6 +125,23 @@ class PackedPlan:
         return sum(p.size for p in self.passes)
 
 
+def empty_pass(size: int) -> PackedPass:
+    """A pass of `size` token slots holding no row: what the warm-up builds each size on."""
+    room = rows_of(size)
+    return PackedPass(
+        input_ids=np.zeros(size, dtype=np.int64),
+        positions=np.zeros((3, size), dtype=np.int64),
+        token_row=np.full(size, room, dtype=np.int64),
+        token_step=np.zeros(size, dtype=np.int64),
+        row_start=np.zeros(room + 1, dtype=np.int64),
+        row_length=np.zeros(room + 1, dtype=np.int64),
+        row_parent=np.full(room + 1, -1, dtype=np.int64),
+        row_prefix=np.zeros(room + 1, dtype=np.int64),
+        question=QuestionPass(rows=None, members=[], zq_read={}, first_read={}),  # type: ignore[arg-type]
+        options=OptionPass(rows=None, question_pass=0, members=[], u_read={}, text_reads={}),  # type: ignore[arg-type]
+    )
+
+
 def text_of(prepared: Prepared, qi: int, starts: list[int]) -> tuple[list[int], np.ndarray]:
     return question_span(prepared.layouts[qi], starts[qi])
 
@@ -137,23 +152,16 @@ def block_length(prepared: Prepared, qi: int, k: int) -> int:
 
 
 def pieces_of(prepared: Prepared, starts: list[int]) -> list[Piece]:
-    """Each question as one piece, or where its text and options exceed the largest pass, as
-    several, each its text and as many of its options as fit (the text runs again in each)."""
+    """Each question's text and options as one piece. The contract's 8,192 tokens a question
+    (its image prefix included) keep every piece within the largest pass."""
     pieces = []
     for qi, layout in enumerate(prepared.layouts):
-        text = len(text_of(prepared, qi, starts)[0])
-        current = Piece(qi, [], text, True)
-        for k in range(len(layout.opens)):
-            length = block_length(prepared, qi, k)
-            rows = len(current.options) + 2
-            if current.options and (current.tokens + length > MAX_PACK or rows > rows_of(MAX_PACK)):
-                pieces.append(current)
-                current = Piece(qi, [], text, False)
-            current.options.append(k)
-            current.tokens += length
-        if current.tokens > MAX_PACK:
-            raise ValueError(f"question {qi}: {current.tokens} tokens exceeds {MAX_PACK}")
-        pieces.append(current)
+        count = len(layout.opens)
+        tokens = len(text_of(prepared, qi, starts)[0])
+        tokens += sum(block_length(prepared, qi, k) for k in range(count))
+        if tokens > MAX_PACK or count + 1 > rows_of(MAX_PACK):
+            raise ValueError(f"question {qi}: {tokens} tokens exceeds {MAX_PACK}")
+        pieces.append(Piece(qi, count, tokens))
     return pieces
 
 
@@ -163,7 +171,7 @@ def groups_of(pieces: list[Piece]) -> list[list[Piece]]:
     groups: list[list[Piece]] = []
     tokens = rows = 0
     for piece in pieces:
-        piece_rows = 1 + len(piece.options)
+        piece_rows = 1 + piece.options
         full = (
             not groups
             or tokens + piece.tokens > MAX_PACK
@@ -189,31 +197,18 @@ def plan(prepared: Prepared) -> PackedPlan:
 
 
 def packed_pass(prepared: Prepared, starts: list[int], group: list[Piece]) -> PackedPass:
-    """The pass of `group`'s pieces: their text rows first (in order), then their option rows."""
+    """The pass of `group`'s questions: their text rows first (in order), then their option
+    rows."""
     tokens = sum(p.tokens for p in group)
-    rows = sum(1 + len(p.options) for p in group)
-    size = pack_size(tokens, rows)
-    room = rows_of(size)
-    made = PackedPass(
-        input_ids=np.zeros(size, dtype=np.int64),
-        positions=np.zeros((3, size), dtype=np.int64),
-        token_row=np.full(size, room, dtype=np.int64),
-        token_step=np.zeros(size, dtype=np.int64),
-        row_start=np.zeros(room + 1, dtype=np.int64),
-        row_length=np.zeros(room + 1, dtype=np.int64),
-        row_parent=np.full(room + 1, -1, dtype=np.int64),
-        row_prefix=np.zeros(room + 1, dtype=np.int64),
-        question=QuestionPass(rows=None, members=[], zq_read={}, first_read={}),  # type: ignore[arg-type]
-        options=OptionPass(rows=None, question_pass=0, members=[], u_read={}, text_reads={}),  # type: ignore[arg-type]
-    )
+    rows = sum(1 + p.options for p in group)
+    made = empty_pass(pack_size(tokens, rows))
     for row, piece in enumerate(group):
         ids, positions = text_of(prepared, piece.question, starts)
         place(made, row, ids, positions, -1, owner(prepared, piece.question))
-        if piece.reads:
-            read_text(made, prepared, piece.question, row)
+        read_text(made, prepared, piece.question, row)
     row = len(group)
     for parent, piece in enumerate(group):
-        for k in piece.options:
+        for k in range(piece.options):
             ids, positions = option_span(prepared.layouts[piece.question], k)
             place(made, row, ids, positions, parent, owner(prepared, piece.question))
             read_option(made, prepared, piece.question, k, row)

@@ -106,8 +106,7 @@ class Engine(Protocol):
     # heads and finishing (`seconds`: the passes' time), which the worker runs beside the next
     # batch's passes (`Worker.execute`); `check_batches()`, run before ready, whether batches
     # keep the readout bytes here (False: `batch_key` gives None from then on);
-    # `note_buckets()`, the common pass shapes noted for building before ready, and
-    # `build_pending()`, which builds one noted shape (also while no request waits)
+    # `build_shapes()`, every shape a request can need, built before ready
     splits: bool
 
     def prepare(self, obj: dict) -> Prepared:
@@ -415,7 +414,7 @@ class Worker:
             log.info("warm-up request %d in %.3f s", index, time.perf_counter() - start)
         if self.engine.splits:
             await self._warm_up_batch()
-            await self._warm_up_buckets()
+            await self._warm_up_shapes()
 
     async def _warm_up_batch(self) -> None:
         """The engine's batch check (`Executor.check_batches`) on the execution thread: the
@@ -426,19 +425,13 @@ class Worker:
         merges = await self.scheduler.execute(Ticket(), lambda _: engine.check_batches(), None)
         log.info("warm-up batch in %.3f s, merges %s", time.perf_counter() - start, merges)
 
-    async def _warm_up_buckets(self) -> None:
-        """The engine's common joint-pass shapes (`Executor.note_buckets`), built on the
-        execution thread before ready: a later pass of those lengths runs in one."""
+    async def _warm_up_shapes(self) -> None:
+        """Every shape the engine can need (`Executor.build_shapes`), built on the execution
+        thread before ready: no request waits for a build."""
         start = time.perf_counter()
-        noted = await self.scheduler.execute(Ticket(), self._build_buckets, None)
-        log.info("warm-up buckets: %d in %.3f s", noted, time.perf_counter() - start)
-
-    def _build_buckets(self, _: None) -> int:
         engine: Any = self.engine
-        noted = engine.note_buckets()
-        while noted and engine.build_pending():
-            pass
-        return noted
+        built = await self.scheduler.execute(Ticket(), lambda _: engine.build_shapes(), None)
+        log.info("warm-up shapes: %d in %.3f s", built, time.perf_counter() - start)
 
     def _prepare_warm_up(self, body: dict | None) -> Prepared:
         return self.engine.prepare(self.engine.warm_up_request() if body is None else body)
@@ -546,10 +539,7 @@ def create_app(
     `{"detail": "the worker is warming up"}` with `Retry-After: 1`; then `/health` answers 200
     `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
     """
-    # an engine that ran a pass in a larger shape builds its own while no request waits
-    # (runtime.executor.Executor.build_pending)
-    idle = getattr(engine, "build_pending", None)
-    scheduler = Scheduler(admitted, preparing, batch_wait_s=batch_wait_s, idle=idle)
+    scheduler = Scheduler(admitted, preparing, batch_wait_s=batch_wait_s)
     worker = Worker(engine, scheduler, warm_ups)
     metrics = Metrics(scheduler, engine, lambda: worker.warm_up_builds)
     slots = Uploads(uploads)

@@ -38,7 +38,14 @@ from runtime.constants import (
     QUESTION_TOKENS,
     SMALL_OPTION_TOKENS,
 )
-from runtime.images import NORMALIZED, device_pixel_values, resize_rgb_torch, smart_resize
+from runtime.images import (
+    FACTOR,
+    MAX_PIXELS,
+    NORMALIZED,
+    device_pixel_values,
+    resize_rgb_torch,
+    smart_resize,
+)
 from runtime.model.attention_kernels import CHUNK_MAX_ROWS
 from runtime.model.language import (
     BLOCKS,
@@ -79,6 +86,12 @@ TRITON_CACHE = "triton"
 ENGINES_MANIFEST = "engines.json"
 ONNX_MANIFEST = "onnx_ort/onnx_export.json"
 VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tables and pixels
+# the vision tower's graphs on CUDA: one for each multiple of this many patches, an image's
+# patches padded to the next (masked out of its attention): 10 graphs cover every image the
+# contract admits (MAX_PATCHES), all built before the worker is ready, in place of a graph for
+# every patch grid (or, before, every decoded size) that traffic brought
+PATCH_STEP = 256
+MAX_PATCHES = MAX_PIXELS // FACTOR**2 * 4  # the resize keeps an image within MAX_PIXELS
 # the image graph's: the decoded image as uint8 [H, W, 3], then the vision tower's tables; the
 # resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph,
 # in place of launching the upload, the device resize and the patches op by op before it
@@ -359,7 +372,7 @@ class TorchBackend:
         self.capabilities = Capabilities(
             rows_fit=self.rows_fit,
             joint=self.rows_fit,  # lm_joint keeps a row's bytes where the floors hold
-            image_graph=True,
+            image_graph=False,
             # a pass asked for no readout outputs reads none: the image prefix's padded readout
             # would be a 128-row piece over the vocabulary
             optional_readouts=True,
@@ -553,6 +566,9 @@ class TorchBackend:
         if lane and (graph != JOINT_GRAPH or lane >= self.lanes):
             raise ValueError(f"{graph} has no lane {lane} (lanes: {self.lanes})")
         feeds = self.checked(graph, feeds)
+        if graph == "vision" and self.device.type == "cuda":
+            self.run_vision(feeds, outputs["image_features"])
+            return
         if graph in VISION_GRAPHS:
             if self.device.type != "cuda":
                 outputs["image_features"].copy_(self.compute(graph, feeds)["image_features"])
@@ -570,6 +586,25 @@ class TorchBackend:
             results = slots.run(signature(graph, body), body, states).outputs
         if any(unprefixed(name) in READOUT_OUTPUTS for name in outputs):
             self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
+
+    def run_vision(self, feeds: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """The vision tower on CUDA, its patches padded to the next PATCH_STEP (`padded_patches`):
+        one graph for every grid of a bucket; the image's rows are the first of its output."""
+        padded = padded_patches(feeds)
+        merged = padded["pixel_values"].shape[0] // self.vision.merge**2
+        full = out.new_empty(merged, out.shape[1])
+        self.slots["vision"].run(signature("vision", padded), padded, {"image_features": full})
+        out.copy_(full[: out.shape[0]])
+
+    def vision_shapes(self) -> list[tuple]:
+        """The vision tower's signatures on CUDA, one a patch bucket (`prepare` builds them)."""
+        widths = {"pixel_values": self.vision.patch_width, "pos_embeds": self.vision.width}
+        widths["cos"] = widths["sin"] = self.vision.head_dim
+        shapes = []
+        for size in range(PATCH_STEP, patch_bucket(MAX_PATCHES) + 1, PATCH_STEP):
+            specs = [(n, (size, widths[n]), torch.float32) for n in VISION_INPUTS]
+            shapes.append(("vision", *specs, ("patches", (1,), torch.int64)))
+        return shapes
 
     def graph_slots(self, graph: str, lane: int) -> GraphSlots:
         """The slots a pass of `graph` in `lane` replays."""
@@ -696,7 +731,9 @@ class TorchBackend:
         """One graph's body: the vision rows, or a pass's states and `flat` (every position
         after the final norm, which the readouts read)."""
         if graph == "vision":
-            return {"image_features": self.functions["vision"](*(feeds[n] for n in VISION_INPUTS))}
+            tower = self.functions["vision"]
+            inputs = (feeds[n] for n in VISION_INPUTS)
+            return {"image_features": tower(*inputs, feeds.get("patches"))}
         if graph == IMAGE_GRAPH:
             pixels = self.image_pixels(feeds["rgb"])
             tables = (feeds[n] for n in IMAGE_INPUTS[1:])
@@ -737,6 +774,22 @@ class TorchBackend:
             inside = (local >= 0) & (local < piece)
             result = value if result is None else torch.where(inside, value, result)
         return result
+
+
+def patch_bucket(patches: int) -> int:
+    """The patch count of the vision graph an image of `patches` patches runs in."""
+    return max(PATCH_STEP, -(-patches // PATCH_STEP) * PATCH_STEP)
+
+
+def padded_patches(feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The vision tower's feeds with zero patches up to `patch_bucket`, and `patches`, how many
+    are the image's (int64 [1], made on the device: no host wait)."""
+    count = feeds["pixel_values"].shape[0]
+    extra = patch_bucket(count) - count
+    padded = {name: F.pad(feeds[name], (0, 0, 0, extra)) for name in VISION_INPUTS}
+    device = feeds["pixel_values"].device
+    padded["patches"] = torch.full((1,), count, dtype=torch.int64, device=device)
+    return padded
 
 
 def lane_streams(device: torch.device, lanes: int) -> list[torch.cuda.Stream]:

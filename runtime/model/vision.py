@@ -108,7 +108,11 @@ class VisionBlock(nn.Module):
         self.mlp.linear_fc1 = nn.Linear(dim, intermediate)
         self.mlp.linear_fc2 = nn.Linear(intermediate, dim)
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Full attention over the image's patches; `keys` [1, 1, N] (bool, true for the
+        image's own patches) where padding patches follow them."""
         n, dim = x.shape
         q, k, v = self.attn.qkv(x).reshape(n, 3, self.heads, -1).permute(1, 2, 0, 3).unbind(0)
         cos, sin = cos[None].float(), sin[None].float()
@@ -118,14 +122,21 @@ class VisionBlock(nn.Module):
         if self.fused and torch.onnx.is_in_onnx_export():
             return self.attn.proj(fused_attention(q, k, v, scale))
         if self.sdpa and not torch.onnx.is_in_onnx_export():
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0]
+            mask = None if keys is None else keys[None]
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, scale=scale
+            )[0]
             return self.attn.proj(out.transpose(0, 1).reshape(n, dim))
         scores = (q @ k.transpose(-1, -2)) * scale
+        if keys is not None:
+            scores = scores.masked_fill(~keys, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         return self.attn.proj((probs @ v).transpose(0, 1).reshape(n, dim))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(layer_norm(x, self.norm1), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.attention(layer_norm(x, self.norm1), cos, sin, keys)
         hidden = F.gelu(self.mlp.linear_fc1(layer_norm(x, self.norm2)), approximate="tanh")
         return x + self.mlp.linear_fc2(hidden)
 
@@ -140,6 +151,9 @@ class VisionTower(nn.Module):
         super().__init__()
         vc = vision_config
         dim, self.merge = vc["hidden_size"], vc["spatial_merge_size"]
+        # the widths of the inputs: a patch's pixels, the position table's rows, a head's rotary
+        self.patch_width = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+        self.width, self.head_dim = dim, dim // vc["num_heads"]
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(
             vc["in_channels"],
@@ -168,7 +182,11 @@ class VisionTower(nn.Module):
         pos_embeds: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        patches: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The image rows; with `patches` (int64 [1]), only the first that many patches are the
+        image's, the rest padding that no image patch attends to (the torch backend's patch
+        buckets), whose rows come out last and are never read."""
         proj = self.patch_embed.proj
         dtype = proj.weight.dtype
         # Conv3d with kernel == stride over one patch is a matrix product with the flat kernel.
@@ -176,7 +194,10 @@ class VisionTower(nn.Module):
             pixel_values.to(dtype), proj.weight.reshape(proj.weight.shape[0], -1), proj.bias
         )
         x = x + pos_embeds.to(dtype)
+        keys = None
+        if patches is not None:
+            keys = (torch.arange(x.shape[0], device=x.device) < patches)[None, None, :]
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, keys)
         x = layer_norm(x, self.merger.norm).reshape(-1, self.merger.linear_fc1.in_features)
         return self.merger.linear_fc2(F.gelu(self.merger.linear_fc1(x)))

@@ -1,0 +1,94 @@
+"""Token-packed passes (issue 46): the planner puts a request's questions in as few passes of
+PACK_SIZES as hold them, and a question's answer is the same bytes whether its rows were packed
+alone, with its request's other questions in any order, or with another request's rows."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from bench.parity import without_latency
+from reference.questions import gate_questions, pattern_png, request_body, speed_bench_questions
+from runtime import packing
+from tests.engine_fixtures import tiny_engines
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    from runtime.executor import load_engine
+
+    checkpoint, engines = tiny_engines(tmp_path_factory)
+    return load_engine(str(checkpoint), str(engines), "torch")
+
+
+def prepared_of(executor, questions: dict, image: bytes | None = None):
+    from runtime.strict_json import parse_body
+
+    body = request_body(image or pattern_png(320, 224), questions, "image/png")
+    return executor.prepare(parse_body(body))
+
+
+def test_a_twelve_question_request_is_one_mostly_full_pass(executor) -> None:
+    work = packing.plan(prepared_of(executor, speed_bench_questions(12)))
+    assert len(work.passes) == 1
+    assert work.tokens / work.slots >= 0.8
+    (only,) = work.passes
+    assert only.size in packing.PACK_SIZES and only.used == work.tokens
+    # text rows first, each option row's parent one of them, rows end to end
+    texts = int((only.row_parent[: only.row_length.nonzero()[0].size] < 0).sum())
+    assert texts == 12 and (only.row_parent[:texts] == -1).all()
+    lengths = only.row_length[only.row_length > 0]
+    assert lengths.sum() == only.used
+    assert (only.row_start[1 : lengths.size] == np.cumsum(lengths)[:-1]).all()
+
+
+def test_pack_sizes_hold_every_pass_and_rows_fit_their_tables() -> None:
+    assert packing.pack_size(1, 1) == packing.PACK_SIZES[0]
+    assert packing.pack_size(257, 2) == 384
+    assert packing.pack_size(100, 80) == 384  # 80 rows need a table of 96
+    with pytest.raises(ValueError, match="at most 8192 tokens"):
+        packing.pack_size(8193, 1)
+
+
+def test_questions_past_the_largest_pass_go_on_in_the_next(executor) -> None:
+    """64 long questions: passes of at most the largest size, every question's rows in one
+    pass, each question's text read once, the passes filled in question order."""
+    text = "Is the highlighted element the one a careful user would pick here? " * 25
+    questions = {f"q{i}": {"type": "noul", "instructions": f"{i}: {text}"} for i in range(64)}
+    work = packing.plan(prepared_of(executor, questions))
+    assert len(work.passes) > 1
+    assert all(p.used <= p.size <= packing.MAX_PACK for p in work.passes)
+    reads = [qi for p in work.passes for qi in p.question.zq_read]
+    assert reads == list(range(64))
+    for p in work.passes:
+        parents = p.row_parent[p.row_length > 0]
+        texts = len(p.question.members)
+        assert (parents[:texts] == -1).all() and (parents[texts:] < texts).all()
+
+
+def test_every_answer_is_the_same_bytes_alone_together_in_any_order_and_batched(
+    executor,
+) -> None:
+    """The torch backend's packed passes on the CPU: a question asked alone, with its request's
+    other questions in two orders, and in a batch with another request's rows (each reading its
+    own image prefix) gives the same answer bytes."""
+    from runtime.executor import Executor
+
+    assert executor.choices.packed
+    questions = speed_bench_questions(12)
+    image = pattern_png(320, 224)
+    whole = without_latency(executor.execute(prepared_of(executor, questions, image)))
+    for qid, question in questions.items():
+        alone = executor.execute(prepared_of(executor, {qid: question}, image))
+        assert without_latency(alone)[qid] == whole[qid], qid
+    order = list(questions.items())
+    random.Random(0).shuffle(order)
+    shuffled = without_latency(executor.execute(prepared_of(executor, dict(order), image)))
+    assert shuffled == whole
+    other = prepared_of(executor, gate_questions(), pattern_png(224, 320))
+    mine = prepared_of(executor, questions, image)
+    together = Executor.readouts_batch(executor, [other, mine])
+    answers = executor.respond(mine, together[1], 0.0)
+    assert without_latency(answers) == whole
