@@ -2,7 +2,7 @@
 passed down to the executor, the pass planner and the backends (docs/design.md "Settings").
 
 Only what a deployment chooses is a setting; what follows from the device and the engine (CUDA
-graphs, fitted and joint passes, heads on the device, lanes...) is the backend's to declare
+graphs, packed passes, heads on the device...) is the backend's to declare
 (`runtime.backends.Capabilities`). Every `OMNIJEV_*` variable is read here and nowhere else.
 """
 

@@ -20,25 +20,16 @@ VOCABULARY = 248079  # len(tokenizer) with <|opt|>, <|/opt|> (docs/contract.md �
 # The engine graphs (docs/design.md): the vision tower, a language-model pass that returns its
 # states, and the readout-only pass (option rows are leaves).
 GRAPHS = ("vision", "lm_state", "lm_rows")
-# The torch backend's joint pass (`lm_joint`): a question pass's inputs by their names, and the
-# option pass continuing its rows by JOINT + the names (readouts likewise)
-JOINT_GRAPH = "lm_joint"
-# The torch backend's vision tower from the decoded uint8 image (`rgb`, then the tower's tables):
-# the device resize and patches in the tower's CUDA graph, not launched op by op before it
-IMAGE_GRAPH = "image"
 # The torch backend's token-packed pass (runtime.packing, runtime.model.packed): every row of a
 # request's questions and options end to end in one of a few fixed token counts
 PACKED_GRAPH = "lm_packed"
-JOINT = "opt."
-JOINT_PREFIXES = (JOINT,)  # the option part's prefix: one option pass a joint pass
 
-# Token slots of the passes (rows × tokens): runtime.passes plans within them, and the torch
-# backend checks its products' row floors up to them. Longer buckets get fewer rows, so that one
-# long question or option does not pay for a full pass of its length.
+# Token slots of the portable engines' rectangle passes (rows × tokens): runtime.passes plans
+# within them. Longer buckets get fewer rows, so that one long question or option does not pay
+# for a full pass of its length.
 QUESTION_TOKENS = 256  # a question pass: 16 rows × 16, 8 × 32, ...
 WIDE_OPTION_TOKENS = 512  # an option pass of the wide family: 64 rows × 8, 32 × 16, 16 × 24, ...
 SMALL_OPTION_TOKENS = 256  # an option pass of the small family: 32 rows × 8, 16 × 16, ...
-FIT_TOKENS = max(QUESTION_TOKENS, WIDE_OPTION_TOKENS)  # token slots of the largest fitted pass
 # Image prefixes one language-model pass may read (`prefix_rows` picks each row's): every pass's
 # rows continue the rows of one question pass, at most 16 (runtime.config.MAX_QUESTION_BATCH),
 # each of one request, so a pass reads at most 16 prefixes. The TensorRT profiles go up to it.

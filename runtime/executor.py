@@ -23,7 +23,7 @@ from runtime import packing, passes
 from runtime.backends import Backend, choose_backend
 from runtime.batch import batch_size, merged, same_readouts, split
 from runtime.config import RuntimeConfig
-from runtime.constants import IMAGE_PAD_ID, JOINT_GRAPH, MAX_PREFIXES, MODEL_ID
+from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.packing import PackedPlan
@@ -33,9 +33,6 @@ from runtime.passes import (
     Plan,
     batch_bucket,
     bucket,
-    bucket_joints,
-    early_heads_fit,
-    finished_by_joint,
     longest_prefix,
     plan,
 )
@@ -46,7 +43,6 @@ from runtime.run_passes import (
     PassRunner,
     State,
     Stopwatch,
-    lane_of,
     pinned_uint8,
     stack_prefixes,
 )
@@ -118,7 +114,7 @@ class Executor:
         self.device = self.backend.device
         image_token = int(self.model_config.get("image_token_id", IMAGE_PAD_ID))
         dims = Dims.from_config(self.model_config)
-        self.runner = PassRunner(self.backend, dims, image_token, self.config.question_batch)
+        self.runner = PassRunner(self.backend, dims, image_token)
         self.prefix = ImagePrefix(
             self.runner, self.export.dir, self.model_config, self.config.prefix_cache
         )
@@ -175,14 +171,13 @@ class Executor:
         shape = self.pass_shape()
         if self.choices.packed:
             return shape, packing.plan(prepared)
-        return shape, plan(prepared, *shape, joint=self.choices.joint)
+        return shape, plan(prepared, self.config.question_batch)
 
     def pass_shape(self) -> tuple:
-        """(question pass rows, fitted passes) of this executor's plans; ("packed",) where
-        its passes are packed."""
+        """("packed",) where this executor's passes are packed, else (question pass rows,)."""
         if self.choices.packed:
             return ("packed",)
-        return self.config.question_batch, self.choices.fit
+        return (self.config.question_batch,)
 
     def execute(self, prepared: Prepared) -> dict:
         started = time.perf_counter()
@@ -233,61 +228,21 @@ class Executor:
         self, prepared: Prepared, images: list[Prepared] | None = None
     ) -> list[QuestionReadout]:
         """Hidden states and log-probabilities of every question, through the engines. Every
-        pass is enqueued before any readout comes back to the host (one wait, at the end),
-        but for the joint passes whose questions' heads run early (`early_heads_on`).
+        pass is enqueued before any readout comes back to the host (one wait, at the end).
         `images`: for a merged batch, the request of each image prefix its rows read."""
         work = self.work_of(prepared)
         clock = Stopwatch(self.stages, self.stage_sync)
-        if isinstance(work, PackedPlan):
-            return self.packed_readouts(prepared, work, images, clock)
-        early = self.early_heads_on(work)
-        last = len(work.joint) - 1
-        landings: list[Landing] = []
-
-        def land(k: int, reads: list) -> bool:
-            if early and k < last:
-                landings.append(Landing.enqueue(reads, self.device))
-            return early and k < last
-
+        every = list(range(len(prepared.layouts)))
         with torch.inference_mode():
             states = self.image_states(images or [prepared], clock)
-            ran = self.runner.run_plan(work, *states, self.choices.lanes, land, clock)
-            taken = HostReadouts()
-            made = self.early_answers(prepared, work, landings, taken) if early else {}
-            late = [qi for qi in range(len(prepared.layouts)) if qi not in made]
-            behind = self.mlps_behind(prepared, late, ran.reads)
-            outputs = behind.outputs if behind is not None else None
-            landing = Landing.enqueue(ran.later, self.device, outputs)
-        landing.wait()  # the next request's passes may enqueue meanwhile
-        with torch.inference_mode():
-            landing.into(taken)
-            clock.lap("readouts")
-        collected = taken.collect(prepared, late)
-        if behind is not None:
-            behind.hand_out(late, collected, landing.mlps)
-        made.update(zip(late, collected, strict=True))
-        return [made[qi] for qi in range(len(prepared.layouts))]
-
-    def packed_readouts(
-        self,
-        prepared: Prepared,
-        work: PackedPlan,
-        images: list[Prepared] | None,
-        clock: Stopwatch,
-    ) -> list[QuestionReadout]:
-        """`readouts` of a packed plan: every packed pass enqueued, then one wait."""
-        with torch.inference_mode():
-            states = self.image_states(images or [prepared], clock)
-            reads: list = []
-            for packed in work.passes:
-                out = self.runner.run_packed(packed, *states)
-                reads += [(packed.question, out), (packed.options, out)]
-            clock.lap("options")
-            every = list(range(len(prepared.layouts)))
+            if isinstance(work, PackedPlan):
+                reads = self.runner.run_packed_plan(work, *states, clock)
+            else:
+                reads = self.runner.run_plan(work, *states, clock)
             behind = self.mlps_behind(prepared, every, reads)
             outputs = behind.outputs if behind is not None else None
             landing = Landing.enqueue(reads, self.device, outputs)
-        landing.wait()
+        landing.wait()  # the next request's passes may enqueue meanwhile
         with torch.inference_mode():
             taken = HostReadouts()
             landing.into(taken)
@@ -318,7 +273,7 @@ class Executor:
         return self.prefix.states(prepared.image, work.prefix, clock, prepared.image_key, keys)
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:
-        """The response: heads and finishing of every question not made early."""
+        """The response: heads and finishing of every question."""
         from runtime.finish import answer_questions
 
         total = prepared.prepare_seconds + seconds
@@ -338,53 +293,19 @@ class Executor:
 
     # -- the choices a request's execution makes ------------------------------------------
 
-    def work_of(self, prepared: Prepared) -> Plan:
+    def work_of(self, prepared: Prepared) -> Plan | PackedPlan:
         """The plan made while preparing, where it was made for this executor's pass shape."""
         shape, planned = self.pass_shape(), prepared.planned
-        work = planned[1] if planned and planned[0] == shape else None
-        if isinstance(work, PackedPlan):
-            return work
-        if work is None or work.joined != self.choices.joint:
-            work = self.plan_of(prepared)[1]
-        return work
+        if planned and planned[0] == shape:
+            return planned[1]
+        return self.plan_of(prepared)[1]
 
-    def early_heads_on(self, work: Plan) -> bool:
-        """Whether the heads of the questions a joint pass finishes run while the later joint
-        passes execute: where the device runs asynchronously and the plan lets them
-        (`early_heads_fit`). Passes in two lanes run at once: the first ends with the second,
-        and early heads would only split the heads in two batches."""
-        one_lane = len({lane_of(jp, self.choices.lanes) for jp in work.joint}) == 1
-        return self.choices.early_heads and one_lane and early_heads_fit(work)
-
-    def mlps_behind(self, prepared: Prepared, late: list[int], reads: list):
-        """The heads' MLPs of the `late` questions enqueued right behind the passes
+    def mlps_behind(self, prepared: Prepared, which: list[int], reads: list):
+        """The heads' MLPs of the questions `which` enqueued right behind the passes
         (`runtime.readouts.mlps_behind`); None where they are not chosen."""
         if not self.choices.mlps_behind:
             return None
-        return mlps_behind(self.heads, prepared, late, reads, self.device)
-
-    def early_answers(
-        self, prepared: Prepared, work: Plan, landings: list[Landing], taken: HostReadouts
-    ) -> dict[int, QuestionReadout]:
-        """The readouts of every question whose readouts all come from the joint passes that
-        landed early (each but the last), with its heads' output and answer but the latency
-        fields (`finish_early`), each group made as soon as its last pass is on the host, while
-        the passes after it run; their rows' readouts go into `taken`. The same bytes as with
-        every question at once (the heads keep a row's bytes whatever the rows beside it:
-        `Heads.stackable`, `DeviceMLPs.usable`). What the heads or the finishing refuse is left
-        to `respond`, which raises the refusals in order."""
-        from runtime.finish import finish_early
-
-        made: dict[int, QuestionReadout] = {}
-        for landing, ready in zip(landings, finished_by_joint(work), strict=True):
-            landing.into(taken)
-            if not ready:
-                continue
-            readouts = taken.collect(prepared, ready)
-            questions = [prepared.questions[qi] for qi in ready]
-            finish_early(self.heads, self.calibration, questions, readouts)
-            made.update(zip(ready, readouts, strict=True))
-        return made
+        return mlps_behind(self.heads, prepared, which, reads, self.device)
 
     # -- the worker's ---------------------------------------------------------------------
 
@@ -422,30 +343,6 @@ class Executor:
                 self.runner.run_packed(packing.empty_pass(size), *states)
             torch.cuda.synchronize(self.device)
         return self.shape_builds()[0] - before
-
-    def note_buckets(self) -> int:
-        """Notes the largest joint pass of each common pair of lengths (`bucket_joints`) for
-        `build_pending` where the backend has not built it, about the warm-up request's image;
-        how many. The worker builds them before it reports ready."""
-        if not self.choices.joint:
-            return 0
-        prepared = self.prepare(warm_up_request())
-        noted = 0
-        with torch.inference_mode():
-            states = self.image_state(prepared, Stopwatch(self.stages))
-            for jp in bucket_joints(self.config.question_batch):
-                feeds, _ = self.runner.joint_feeds(jp, *states)
-                lane = lane_of(jp, self.choices.lanes)
-                if not self.backend.built(JOINT_GRAPH, feeds, lane):
-                    self.backend.build_later(JOINT_GRAPH, feeds, lane)
-                    noted += 1
-        return noted
-
-    def build_pending(self) -> bool:
-        """Builds one pass shape a request ran in a larger one of (`PassRunner.run_joint`), for
-        the worker's idle moments; whether any is left."""
-        with torch.inference_mode():
-            return self.backend.build_pending()
 
     def shape_builds(self) -> tuple[int, float]:
         """The pass shapes the backend has built so far (compiled and captured, a session made)

@@ -257,40 +257,8 @@ def answer_questions(
     (`questions_mu`): the same answers, faster for many questions."""
     calibration.validate()
     items = [(q.type, r) for q, r in zip(questions, readouts, strict=True)]
-    mus = [r.mu for r in readouts]  # made early where the executor could (Executor.readouts)
-    late = [i for i, mu in enumerate(mus) if mu is None]
-    if late:
-        made = questions_mu(heads, [items[i] for i in late], ordinal=ordinal, lm_feats=lm_feats)
-        for i, mu in zip(late, made, strict=True):
-            mus[i] = mu
-    answers = []
-    for q, r, mu in zip(questions, readouts, mus, strict=True):
-        fields = (
-            r.fields if r.fields is not None else answer_fields(q.type, q.keys, mu, calibration)
-        )
-        answers.append(with_latency(fields, latency_s, latency_total_s))
-    return answers
-
-
-def finish_early(
-    heads: Heads,
-    calibration: Calibration,
-    questions: Sequence[Question],
-    readouts: Sequence[QuestionReadout],
-) -> None:
-    """`answer_questions` of questions whose readouts are all on the host while later passes
-    run, but the latency fields: each readout's `mu` and `fields` set, for `answer_questions`
-    to finish with the latency. Where the heads or the finishing refuse, left None: the
-    refusals are raised there, in order (`Executor.early_answers`)."""
-    items = [(q.type, r) for q, r in zip(questions, readouts, strict=True)]
-    try:
-        mus = questions_mu(heads, items)
-        calibration.validate()
-    except ExecutionError:
-        return
-    for q, r, mu in zip(questions, readouts, mus, strict=True):
-        r.mu = mu
-        try:
-            r.fields = answer_fields(q.type, q.keys, mu, calibration)
-        except ExecutionError:
-            continue
+    mus = questions_mu(heads, items, ordinal=ordinal, lm_feats=lm_feats)
+    return [
+        with_latency(answer_fields(q.type, q.keys, mu, calibration), latency_s, latency_total_s)
+        for q, mu in zip(questions, mus, strict=True)
+    ]

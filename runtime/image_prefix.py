@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.constants import IMAGE_GRAPH
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.passes import MAX_IMAGE_TOKENS, PREFIX_STEP, Pass, bucket
@@ -78,13 +77,10 @@ class ImagePrefix:
         dtype = self.runner.dtypes["image_features"]
         hidden = self.runner.dims.hidden
         features = torch.zeros(self.feature_rows(rows), hidden, dtype=dtype, device=self.device)
-        graph = self.vision_graph(image)
-        if graph == IMAGE_GRAPH:
-            feeds["rgb"] = self.tensor(image.rgb, torch.uint8)
-        else:
-            dtypes = self.backend.input_dtypes("vision")
-            feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
-        self.backend.run(graph, feeds, {self.output_name(graph, "image_features"): features[:rows]})
+        dtypes = self.backend.input_dtypes("vision")
+        feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
+        name = self.output_name("vision", "image_features")
+        self.backend.run("vision", feeds, {name: features[:rows]})
         return features
 
     def feature_rows(self, rows: int) -> int:
@@ -94,12 +90,6 @@ class ImagePrefix:
         if self.backend.capabilities.fixed_prefix_keys:
             return bucket(MAX_IMAGE_TOKENS, PREFIX_STEP)
         return bucket(rows, PREFIX_STEP)
-
-    def vision_graph(self, image: PreparedImage) -> str:
-        """`image` (the backend resizes and packs the decoded image inside the tower's graph)
-        where the backend has it and the image is left to the device whole; else `vision`."""
-        whole = image.pixel_values is None and image.resized is None
-        return IMAGE_GRAPH if whole and self.backend.capabilities.image_graph else "vision"
 
     def pixel_values(self, image: PreparedImage, dtype: torch.dtype) -> torch.Tensor:
         """The vision tower's patches: packed on the host, or made on the device from the uint8

@@ -29,8 +29,6 @@ class HostReadouts:
 
     zq: dict[int, np.ndarray] = field(default_factory=dict)
     first: dict[tuple[int, int], float] = field(default_factory=dict)
-    # the first text tokens' log-probabilities where the question part read them (`open_read`)
-    opened: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     u_at: dict[tuple[int, int], tuple[np.ndarray, int]] = field(default_factory=dict)
     picked: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
@@ -48,8 +46,6 @@ class HostReadouts:
         if qp.first_read:
             index = np.fromiter(qp.first_read.values(), np.intp, len(qp.first_read))
             self.first.update(zip(qp.first_read, logprobs[index].tolist(), strict=True))
-        if qp.open_read:
-            self.opened.update(gathered(qp.open_read, logprobs))
 
     def take_options(self, op: OptionPass, hidden: np.ndarray, logprobs: np.ndarray) -> None:
         """An option pass's readouts: where its options' u are, and their texts'
@@ -68,20 +64,12 @@ class HostReadouts:
             u = np.stack([hidden[row] for hidden, row in at])
         return u.astype(np.float32, copy=False)
 
-    def picked_of(self, qi: int, k: int) -> np.ndarray | None:
-        """Option k's text log-probabilities in token order: those its question part read over
-        the options' shared leading tokens (if any), then its option pass's."""
-        picked, opened = self.picked.get((qi, k)), self.opened.get((qi, k))
-        if opened is None:
-            return picked
-        return opened if picked is None or not len(picked) else np.concatenate([opened, picked])
-
     def collect(self, prepared: Prepared, which: list[int]) -> list[QuestionReadout]:
         """The readouts of the questions `which`, in that order."""
         readouts = []
         for qi in which:
             k = len(prepared.layouts[qi].rows)
-            picked = [self.picked_of(qi, j) for j in range(k)]
+            picked = [self.picked.get((qi, j)) for j in range(k)]
             readouts.append(
                 QuestionReadout(
                     zq=self.zq[qi].astype(np.float32),

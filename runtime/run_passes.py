@@ -1,30 +1,20 @@
 """Runs a request's planned language-model passes on a backend: each pass's feeds and output
 buffers, the states one pass hands the next, passes longer than the engine takes in pieces, and
-joint passes in the backend's lanes. Every pass is enqueued; nothing here waits for the device.
+the packed passes. Every pass is enqueued; nothing here waits for the device.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from runtime.backends import Backend, Capabilities
-from runtime.constants import JOINT, JOINT_GRAPH, PACKED_GRAPH
-from runtime.packing import PackedPass
-from runtime.passes import (
-    OPTION_STEP,
-    JointPass,
-    OptionPass,
-    Pass,
-    Plan,
-    QuestionPass,
-    larger_joints,
-)
+from runtime.constants import PACKED_GRAPH
+from runtime.packing import PackedPass, PackedPlan
+from runtime.passes import OptionPass, Pass, Plan, QuestionPass
 
 GPU_STAGES = ("vision", "prefix", "questions", "options", "readouts")  # Stopwatch's laps
 
@@ -122,89 +112,63 @@ class Choices:
     """How the executor runs requests on its backend, each a consequence of the backend's
     `Capabilities` (`of`); a test or a measurement may give others to the executor."""
 
-    fit: bool  # passes sized to the request (runtime.passes.plan(fit=True))
-    joint: bool  # option passes with their questions' rows (plan(joint=True))
-    lanes: int  # joint passes of different option lengths at once in this many lanes
     device_heads: bool  # the heads' D-wide MLPs on the engine's device (Heads.use_device)
     mlps_behind: bool  # those MLPs enqueued right behind the passes, back with the readouts
-    early_heads: bool  # heads of questions finished by earlier joint passes beside later ones
     fixed_prefix_keys: bool = False  # every prefix padded to the longest's keys (padded_prefix)
     packed: bool = False  # token-packed passes (runtime.packing)
 
     @classmethod
     def of(cls, capabilities: Capabilities) -> Choices:
-        fit = capabilities.rows_fit
         on_device = capabilities.asynchronous
         return cls(
-            fit=fit,
-            joint=fit and capabilities.joint,
-            lanes=capabilities.lanes,
             device_heads=on_device,
             mlps_behind=on_device,
-            early_heads=on_device,
             fixed_prefix_keys=capabilities.fixed_prefix_keys,
             packed=capabilities.packed,
         )
 
 
-@dataclass
-class Ran:
-    """A request's enqueued passes: (pass, outputs) for the heads' readouts, in order, and
-    which of them `landed` early (a joint pass at a time, `PassRunner.run_plan(land=...)`)."""
-
-    reads: list[tuple[QuestionPass | OptionPass, dict]] = field(default_factory=list)
-    landed: list[list[tuple[QuestionPass | OptionPass, dict]]] = field(default_factory=list)
-
-    @property
-    def later(self) -> list[tuple[QuestionPass | OptionPass, dict]]:
-        """The reads not in a landed group."""
-        early = {id(out) for group in self.landed for _, out in group}
-        return [(p, out) for p, out in self.reads if id(out) not in early]
+Reads = list[tuple[QuestionPass | OptionPass, dict[str, torch.Tensor]]]
 
 
 class PassRunner:
-    """The passes of a backend: feeds, outputs and states of each, in the backend's lanes."""
+    """The passes of a backend: feeds, outputs and states of each."""
 
-    def __init__(self, backend: Backend, dims: Dims, image_token: int, question_rows: int):
+    def __init__(self, backend: Backend, dims: Dims, image_token: int):
         self.backend = backend
         self.capabilities = backend.capabilities
         self.device = backend.device
         self.dims = dims
         self.image_token = image_token
-        self.question_rows = question_rows
         self.dtypes = backend.input_dtypes("lm_state")
         self._empty: State | None = None  # empty_state, made on first use
 
     # -- a plan ---------------------------------------------------------------------------
 
-    def run_plan(
-        self, work: Plan, prefix: State, after_prefix: State, lanes: int, land, clock: Stopwatch
-    ) -> Ran:
-        """Every pass of `work` after its image prefix: the joint passes (each in its lane),
-        then each question pass and straight after it its options, while its states are the
-        freshest. `land(k, pairs)` is called with each joint pass's reads as it is enqueued; a
-        truthy answer marks the group landed (copied back on its own)."""
-        ran = Ran()
-        in_lanes = Lanes(self.backend, self.device, lanes)
-        for k, jp in enumerate(work.joint):
-            lane = lane_of(jp, lanes)
-            with in_lanes.entered(lane):
-                out, options_out = self.run_joint(jp, prefix, after_prefix, lane)
-                pairs = [(jp.question, out), (jp.options, options_out)]
-                if land(k, pairs):
-                    ran.landed.append(pairs)
-            ran.reads += pairs
-            clock.lap("options")
-        in_lanes.join()
+    def run_plan(self, work: Plan, prefix: State, after_prefix: State, clock: Stopwatch) -> Reads:
+        """Every pass of a rectangle plan after its image prefix: each question pass and
+        straight after it its options; each pass's reads, in order."""
+        reads: Reads = []
         for pi, qp in enumerate(work.questions):
             out, state = self.run_question(qp, prefix, after_prefix)
-            ran.reads.append((qp, out))
+            reads.append((qp, out))
             clock.lap("questions")
             for op in work.options:
                 if op.question_pass == pi:
-                    ran.reads.append((op, self.run_options(op, prefix, state)))
+                    reads.append((op, self.run_options(op, prefix, state)))
             clock.lap("options")
-        return ran
+        return reads
+
+    def run_packed_plan(
+        self, work: PackedPlan, prefix: State, after_prefix: State, clock: Stopwatch
+    ) -> Reads:
+        """Every packed pass of a plan; each one's reads, its texts' and its options'."""
+        reads: Reads = []
+        for packed in work.passes:
+            out = self.run_packed(packed, prefix, after_prefix)
+            reads += [(packed.question, out), (packed.options, out)]
+        clock.lap("options")
+        return reads
 
     # -- passes ---------------------------------------------------------------------------
 
@@ -235,53 +199,14 @@ class PassRunner:
     def run_question(
         self, qp: QuestionPass, prefix: State, after_prefix: State
     ) -> tuple[dict[str, torch.Tensor], State]:
-        """A question pass; its states go where the option passes read them (`state_buffer`):
-        valid until the next question pass of the same shape, which runs after these options."""
-        out = self.run_pass(
-            qp.rows, self.dummy_features(), prefix, after_prefix, with_state=True, lend=True
-        )
-        return out, self.state_from(self.lent(out, qp.rows), qp.rows)
+        """A question pass and its states, which its option passes continue."""
+        out = self.run_pass(qp.rows, self.dummy_features(), prefix, after_prefix, with_state=True)
+        return out, self.state_from(out, qp.rows)
 
     def run_options(
         self, op: OptionPass, prefix: State, question_state: State
     ) -> dict[str, torch.Tensor]:
         return self.run_pass(op.rows, self.dummy_features(), prefix, question_state, False)
-
-    def run_joint(
-        self, jp: JointPass, prefix: State, after_prefix: State, lane: int = 0
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """A joint pass: (the question rows' readouts, the option rows' readouts); in `lane` > 0
-        on that lane's graphs (the caller has made the lane's stream current). Where its shape
-        is not built yet and a larger one of the same lengths is (`larger_joints`: the same
-        bytes for its rows), it runs there, and its own is built when the worker is idle."""
-        feeds, outputs = self.joint_feeds(jp, prefix, after_prefix)
-        if not self.backend.built(JOINT_GRAPH, feeds, lane):
-            for larger in larger_joints(jp, self.question_rows):
-                wider, wider_outputs = self.joint_feeds(larger, prefix, after_prefix)
-                if self.backend.built(JOINT_GRAPH, wider, lane):
-                    self.backend.build_later(JOINT_GRAPH, feeds, lane)
-                    feeds, outputs = wider, wider_outputs
-                    break
-        self.backend.run(JOINT_GRAPH, feeds, outputs, lane=lane)
-        readouts = ("hidden", "logprobs")
-        return (
-            {name: outputs[name] for name in readouts},
-            {name: outputs[JOINT + name] for name in readouts},
-        )
-
-    def joint_feeds(
-        self, jp: JointPass, prefix: State, after_prefix: State
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """A joint pass's feeds and outputs: the question part's names, then the option part's
-        under JOINT."""
-        pad = self.capabilities.padded_targets
-        arrays = jp.question.rows.arrays(pad)
-        named, outputs = dict(arrays), self.outputs(jp.question.rows, arrays, with_state=False)
-        options = jp.options.rows.arrays(pad)
-        named.update({JOINT + name: a for name, a in options.items()})
-        for name, tensor in self.outputs(jp.options.rows, options, with_state=False).items():
-            outputs[JOINT + name] = tensor
-        return self.feeds(named, self.dummy_features(), prefix, after_prefix), outputs
 
     def run_pass(
         self,
@@ -290,7 +215,6 @@ class PassRunner:
         prefix: State,
         src: State,
         with_state: bool,
-        lend: bool = False,
     ) -> dict[str, torch.Tensor]:
         if not with_state and not self.backend.has_graph("lm_rows"):
             with_state = True  # an engine directory without the readout-only variant
@@ -299,7 +223,7 @@ class PassRunner:
             return self.run_split(rows, features, prefix, src, with_state, limit)
         graph = "lm_state" if with_state else "lm_rows"
         arrays = rows.arrays(self.capabilities.padded_targets)
-        outputs = self.outputs(rows, arrays, with_state, lend)
+        outputs = self.outputs(rows, arrays, with_state)
         if not rows.read_rows and not rows.targets and self.capabilities.optional_readouts:
             outputs.pop("hidden")  # nothing read (the image prefix): no readout to run
             outputs.pop("logprobs")
@@ -376,10 +300,9 @@ class PassRunner:
         return feeds
 
     def outputs(
-        self, rows: Pass, arrays: dict[str, np.ndarray], with_state: bool, lend: bool = False
+        self, rows: Pass, arrays: dict[str, np.ndarray], with_state: bool
     ) -> dict[str, torch.Tensor]:
-        """Tensors the pass writes; with `lend`, its states go straight into the buffers the
-        backend reads the next passes' sources from, where it lends them (no copy in)."""
+        """Tensors the pass writes."""
         d, dt = self.dims, self.dtypes
         b, t = rows.shape
         out = {
@@ -396,42 +319,11 @@ class PassRunner:
             shapes[f"conv.{j}"] = ((b, d.conv_channels, d.conv_state), dt["src_conv.0"])
             shapes[f"rec.{j}"] = ((b, d.value_heads, d.key_dim, d.value_dim), dt["src_rec.0"])
         for name, (shape, dtype) in shapes.items():
-            whole = None
-            if lend:  # the pass's rows of the lent buffer (source_rows)
-                wide = (self.source_rows(b), *shape[1:])
-                whole = self.backend.state_buffer(f"src_{name}", wide, dtype)
-            if whole is not None:
-                out[f"out_{name}"] = whole[:b]
-            else:
-                out[f"out_{name}"] = torch.empty(shape, dtype=dtype, device=self.device)
+            out[f"out_{name}"] = torch.empty(shape, dtype=dtype, device=self.device)
         return out
 
-    def source_rows(self, rows: int) -> int:
-        """Rows of the buffers a question pass lends its states into: the question passes'
-        row count, whatever this pass's (fitted passes have fewer), so that an option pass's
-        sources have one shape per question length and its CUDA graph does not also follow
-        the number of questions asked; the rows past the pass's are never read."""
-        return max(rows, self.question_rows)
-
-    def lent(self, out: dict[str, torch.Tensor], rows: Pass) -> dict[str, torch.Tensor]:
-        """A question pass's outputs with each state as the whole buffer it was written into
-        (`outputs`); the outputs as they are where they were not written there."""
-        widest = self.source_rows(rows.shape[0])
-        if widest == rows.shape[0]:
-            return out
-        whole = dict(out)
-        for name, part in out.items():
-            if name.startswith("out_"):
-                shape = (widest, *part.shape[1:])
-                buffer = self.backend.state_buffer(f"src_{name[4:]}", shape, part.dtype)
-                if buffer is None or buffer.data_ptr() != part.data_ptr():
-                    return out  # none lent, or a pass split in pieces
-                whole[name] = buffer
-        return whole
-
     def state_from(self, out: dict[str, torch.Tensor], rows: Pass) -> State:
-        """The pass's states as sources; the mask has a row for each row of the state tensors
-        (more than the pass's where they are whole lent buffers: `lent`), the extra ones empty."""
+        """The pass's states as sources, with the mask of its rows' valid tokens."""
         d = self.dims
         states = [t for name, t in out.items() if name.startswith("out_")]
         lengths = np.zeros(states[0].shape[0] if states else rows.shape[0], dtype=np.int64)
@@ -487,16 +379,6 @@ class PassRunner:
         return to_device(array, self.device, dtype)
 
 
-def lane_of(jp: JointPass, lanes: int) -> int:
-    """The lane a joint pass runs in, by its own options' length bucket, so that a shape always
-    replays its one lane's graph: options of the shortest bucket in lane 0, longer ones in lane
-    1. The 12 speed-bench questions' two joint passes (options of 8 and of 24 tokens) then run
-    at once."""
-    if lanes < 2:
-        return 0
-    return 1 if jp.options.rows.shape[1] > OPTION_STEP else 0
-
-
 def slice_pass(rows: Pass, start: int, end: int) -> Pass:
     """Tokens [start, end) of every row; readouts inside them, remembered by their index."""
     width = end - start
@@ -519,36 +401,6 @@ def slice_pass(rows: Pass, start: int, end: int) -> Pass:
             piece.target_index.append(n)
             piece.targets.append((row * width + col - start, token))
     return piece
-
-
-class Lanes:
-    """The streams of one request's joint passes: a lane's stream first waits for what the
-    caller's stream had enqueued when this was made (the image prefix), and `join` makes the
-    caller's stream wait for every lane used."""
-
-    def __init__(self, backend: Backend, device: torch.device, lanes: int):
-        self.backend = backend
-        self.used: dict[int, torch.cuda.Stream] = {}
-        self.fork = None
-        if device.type == "cuda" and lanes > 1:
-            self.fork = torch.cuda.Event()
-            self.fork.record()
-
-    @contextmanager
-    def entered(self, lane: int) -> Iterator[None]:
-        stream = self.backend.lane_stream(lane) if lane and self.fork is not None else None
-        if stream is None:
-            yield
-            return
-        if lane not in self.used:
-            stream.wait_event(self.fork)
-            self.used[lane] = stream
-        with torch.cuda.stream(stream):
-            yield
-
-    def join(self) -> None:
-        for stream in self.used.values():
-            torch.cuda.current_stream().wait_stream(stream)
 
 
 class Stopwatch:

@@ -123,10 +123,6 @@ class QuestionReadout:
     u: np.ndarray  # float32 [K, D]: one per option
     picked: list[np.ndarray] = field(default_factory=list)  # per option float32 [n_k] log-probs
     first: list[float | None] = field(default_factory=list)  # per option first-token log-prob
-    # the heads' output, where the executor made it while later passes ran (`early_heads`),
-    # and the answer made from it then, but its latency fields (`runtime.finish.finish_early`)
-    mu: np.ndarray | None = None
-    fields: dict | None = None
     # the outputs of the heads' MLPs of zq and u (`runtime.heads.mlp_names`: name -> rows),
     # made on the device right behind the passes (`Executor.mlps_behind`); None: made by the heads
     mlps: dict[str, np.ndarray] | None = None

@@ -80,10 +80,8 @@ class Scheduler:
         preparing: int = PREPARING,
         responding: int = RESPONDING,
         batch_wait_s: float = 0.0,
-        idle: Callable[[], bool] | None = None,
     ) -> None:
         self.limit = admitted
-        self.idle = idle
         self.admitted = 0
         self.preparing = 0
         self.batch_wait_s = batch_wait_s
@@ -164,28 +162,11 @@ class Scheduler:
             del entry  # its future holds a failed request's exception (see _run)
 
     async def _execute_queue(self) -> None:
-        """Take batches off the queue and run them, one at a time, until it is empty; then
-        `idle()` on the execution thread, one step at a time while the queue stays empty and
-        it answers that work is left (a request arriving meanwhile waits for one step)."""
-        while True:
-            while self._queue:
-                batch = await self._next_batch()
-                if batch:
-                    await self._run_batch(batch)
-            if not await self._idle_step() and not self._queue:
-                return
-
-    async def _idle_step(self) -> bool:
-        """One step of `idle` on the execution thread; whether work is left (not after an
-        error, which is logged: the requests go on without it)."""
-        if self.idle is None:
-            return False
-        loop = asyncio.get_running_loop()
-        try:
-            return bool(await loop.run_in_executor(self._execute_pool, self.idle))
-        except Exception:
-            log.exception("idle work failed")
-            return False
+        """Take batches off the queue and run them, one at a time, until it is empty."""
+        while self._queue:
+            batch = await self._next_batch()
+            if batch:
+                await self._run_batch(batch)
 
     async def _next_batch(self) -> list[Waiting]:
         """The oldest request and those that may join it (`execute_batched`); requests whose

@@ -16,7 +16,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -27,36 +26,15 @@ import torch.nn.functional as F
 from runtime.backends.base import Capabilities
 from runtime.backends.graphs import GraphSlots, Slot, builds_of, checked_feeds, signature
 from runtime.config import RuntimeConfig, cache_home
-from runtime.constants import (
-    DTYPES,
-    FIT_TOKENS,
-    IMAGE_GRAPH,
-    JOINT,
-    JOINT_GRAPH,
-    MAX_PREFIXES,
-    PACKED_GRAPH,
-    QUESTION_TOKENS,
-    SMALL_OPTION_TOKENS,
-)
-from runtime.images import (
-    FACTOR,
-    MAX_PIXELS,
-    NORMALIZED,
-    device_pixel_values,
-    resize_rgb_torch,
-    smart_resize,
-)
-from runtime.model.attention_kernels import CHUNK_MAX_ROWS
+from runtime.constants import DTYPES, MAX_PREFIXES, PACKED_GRAPH
+from runtime.images import FACTOR, MAX_PIXELS
 from runtime.model.language import (
     BLOCKS,
-    JOINT_BLOCKS,
     folded_attention,
-    joint_body,
     lm_input_names,
     lm_output_names,
     pass_body,
 )
-from runtime.model.layers import product
 from runtime.model.packed import PACKED_BLOCKS, ROW_TABLES, TOKEN_INPUTS, packed_body
 
 log = logging.getLogger("omnijev.torch")
@@ -65,20 +43,10 @@ log = logging.getLogger("omnijev.torch")
 # never depends on how many other rows the pass reads (invariance); 128 rows × the 248,079-row
 # table is where the product stops being bound by reading the table (1.27 GB in BF16)
 READOUT_PIECE = 128
-# A pass with more option rows than the passes questions share hold (CHUNK_MAX_ROWS, which the
-# attention's chunks follow for the same reason) holds one question alone, so its piece may
-# follow its own size: 256 rows, where the product is no longer bound by reading the table
-# (a 128-row piece takes about as long as reading the table alone)
-WIDE_READOUT_PIECE = 256
 # embedding rows padded to a multiple of this for the readout product: 248,079 rows sent cuBLAS
 # to an sm75 kernel on the H200 (docs/engines.md §15); the padded rows are never read
 TABLE_ALIGN = 64
 GRAPH_SLOTS = 64  # shape signatures kept per graph, each with its buffers and CUDA graph
-# the image graph's slots are keyed by the decoded image's size, of which a deployment may send
-# many more than patch grids: its last sizes keep a graph (each holds the tower's activations and
-# the resize's float64 image), an older size runs eagerly and is captured again. The traffic
-# suite's 10 screen sizes missed 79 of 160 requests with 8 slots, 10 with 16 (bench.gpu plans)
-IMAGE_SLOTS = 16
 RECOMPILE_LIMIT = 256  # dynamo's per-function cache (default 8): one entry per shape family
 TORCH_DIR = "torch"  # in an engine directory: the compiler caches `omnijev engines` prepared
 INDUCTOR_CACHE = "inductor"
@@ -92,41 +60,13 @@ VISION_INPUTS = ("pixel_values", "pos_embeds", "cos", "sin")  # float32 host tab
 # every patch grid (or, before, every decoded size) that traffic brought
 PATCH_STEP = 256
 MAX_PATCHES = MAX_PIXELS // FACTOR**2 * 4  # the resize keeps an image within MAX_PIXELS
-# the image graph's: the decoded image as uint8 [H, W, 3], then the vision tower's tables; the
-# resize target is smart_resize of the image's size, so the feeds' shapes fix the whole graph,
-# in place of launching the upload, the device resize and the patches op by op before it
-IMAGE_INPUTS = ("rgb", *VISION_INPUTS[1:])
-LM_GRAPHS = ("lm_state", "lm_rows", JOINT_GRAPH, PACKED_GRAPH)
-VISION_GRAPHS = ("vision", IMAGE_GRAPH)  # the tower from packed pixels, or from the image
+# the image prefix's pass (the ONNX files' `lm_state`), and the packed passes after it
+LM_GRAPHS = ("lm_state", PACKED_GRAPH)
 VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made with
 # read by the readout, which runs after the captured body: a pass's graph is keyed by the body's
 # shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
 READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens", "target_slots")
 READOUT_OUTPUTS = ("hidden", "logprobs")
-# a joint pass's option rows have these inputs (JOINT + the name) besides the question rows'
-# whole set
-ROW_INPUTS = ("input_ids", "positions", "lengths", "src", "prefix_rows", *READOUT_INPUTS)
-# Fitted passes (runtime.passes.fitted_rows) need a row's bytes not to depend on the pass's row
-# count. The products are checked at load, on this machine, for every row count a pass can
-# give them (multiples of ROW_STEP up to FIT_TOKENS), against the product of that many rows; one
-# that differs is padded to the first of FLOOR_CANDIDATES under which none does (on the GPU,
-# cuBLAS in BF16, the narrow products need a floor of a few hundred rows, the wide ones none)
-FLOOR_CANDIDATES = (0, 64, 128, 256, 384, 512)
-# the row floors are measured up to this many rows (a question part and two option passes of
-# the small family that joins), else up to FIT_TOKENS: every joint pass of that family (a
-# question part and one option pass) is within either, and the floors found decide the bytes of
-# every fitted pass, so the bound stays the one they were measured with
-JOINT_TOKENS = QUESTION_TOKENS + 2 * SMALL_OPTION_TOKENS
-ROW_STEP = 8  # passes.OPTION_STEP: every fitted pass's rows × tokens is a multiple of it
-FLOOR_SEED = 0  # the check's random rows (values do not pick kernels; shapes do)
-# Joint passes in two lanes, each a CUDA stream of its own, run at once where the executor puts
-# them in both (runtime.run_passes.lane_of): a joint pass of a few microseconds' kernels leaves
-# most of the GPU idle, and the next one need not wait for it. A lane has its own graphs,
-# captured on its own stream, and its own static inputs: torch keeps a cuBLAS workspace per
-# (handle, stream) and a graph replays with the workspace of the stream it was captured on, so
-# graphs captured on one stream must not replay at once (pytorch/pytorch#193402), nor two lanes
-# copy into one buffer
-LANES = 2
 
 
 def versions() -> dict[str, str | None]:
@@ -288,11 +228,10 @@ def logprob_piece(
 
 
 class TorchBackend:
-    """Runs `vision`, `lm_state`, `lm_rows` and the joint pass `lm_joint` with the model's
-    modules (runtime.model)."""
+    """Runs `vision`, `lm_state` (the image prefix) and the packed passes `lm_packed` with the
+    model's modules (runtime.model)."""
 
     max_pass_tokens = None  # fla's kernels and the eager core take any length
-    floor_seconds = 0.0  # fit_rows: how long measuring the floors took (part of a cold start)
     compile_modes: list[str] = []  # invariant_compilation's settings, where compiled
 
     def __init__(
@@ -327,67 +266,40 @@ class TorchBackend:
         self.vision = self.vision.to(self.device)
         self.weights_seconds = time.perf_counter() - started  # a cold start's parts, reported
         self.prepare_modules(cuda)
-        self.rows_fit = self.fit_rows()
         self.table = padded_table(self.language.embed_tokens.weight.data)
         self.language.embed_tokens.weight.data = self.table[: self.vocab]
         self.functions = self.make_functions()
-        self.lanes = LANES if graphs else 1
-        # lane 0 is the caller's stream, its graphs captured on one stream of their own; each
-        # other lane runs and captures on its own stream (distinct streams of torch's pool)
-        self.streams = lane_streams(self.device, self.lanes) if self.lanes > 1 else [None]
         self.slots = {
             graph: GraphSlots(
                 self.device,
                 bind=self.bind,
                 launch=partial(self.launch, graph),
-                size=IMAGE_SLOTS if graph == IMAGE_GRAPH else GRAPH_SLOTS,
-                capture=graphs,
-                stream=self.streams[0],
-            )
-            for graph in (*VISION_GRAPHS, *LM_GRAPHS)
-        }
-        self.lane_slots = [
-            GraphSlots(
-                self.device,
-                bind=partial(self.bind, lane=lane),
-                launch=partial(self.launch, JOINT_GRAPH),
                 size=GRAPH_SLOTS,
                 capture=graphs,
-                stream=self.streams[lane],
             )
-            for lane in range(1, self.lanes)
-        ]
+            for graph in ("vision", *LM_GRAPHS)
+        }
         self._dtypes = {graph: self.graph_dtypes(graph) for graph in self.slots}
         # what `checked` lets through: the graphs' inputs, and for the passes the plan's
-        # `target_slots` (each part's), which the readout reads and no graph takes
-        slots = dict.fromkeys(("target_slots", JOINT + "target_slots"), torch.int64)
+        # `target_slots`, which the readout reads and no graph takes
+        slots = {"target_slots": torch.int64}
         self._fed = {
             graph: {**dtypes, **slots} if graph in LM_GRAPHS else dtypes
             for graph, dtypes in self._dtypes.items()
         }
-        self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)  # the patches' lookup
         self.buffers: dict[tuple, torch.Tensor] = {}  # static inputs, by (name, shape, dtype)
-        # pass shapes to build when the worker is idle (`build_later`), by signature: lane
-        self.pending: dict[tuple, int] = {}
         self.capabilities = Capabilities(
-            rows_fit=self.rows_fit,
-            joint=self.rows_fit,  # lm_joint keeps a row's bytes where the floors hold
-            image_graph=False,
             # a pass asked for no readout outputs reads none: the image prefix's padded readout
             # would be a 128-row piece over the vocabulary
             optional_readouts=True,
             padded_targets=False,  # `readout` pads the targets to its READOUT_PIECE rows itself
-            lanes=self.lanes,
             asynchronous=cuda,
-            # the attention kernel reads each row's prefix in place; folded_attention runs a
-            # prefix's products for each prefix a pass reads (its rows' bytes as with one), so
-            # many prefixes cost the CPU and float32 paths a product each
+            # a packed row reads its own prefix's keys in place, whatever the others' prefixes
             prefixes=MAX_PREFIXES,
             merges=not cuda,
             packed=True,
-            # the suite's 160 requests gave 129 joint-pass shapes with the prefix's own length,
-            # 41 with the longest (bench.gpu plans), each captured inside the requests that met
-            # it first; the attention kernel adds a masked key's weight as an exact zero
+            # one packed graph a size, not one a size and prefix length besides: a masked key's
+            # weight is an exact zero in the packed attention
             fixed_prefix_keys=graphs,
         )
 
@@ -432,45 +344,15 @@ class TorchBackend:
         for module in (self.language, self.vision):
             module.requires_grad_(False)
 
-    def fit_rows(self) -> bool:
-        """Whether passes may be fitted to the request: each product gets the row floor under
-        which its rows' bytes do not follow the row count (row_floor), the folded attention
-        one shape per length (folded_attention's min_tokens), fla's one cumsum kernel that
-        its autotuner keys by batch size one configuration. False, and nothing changed, when
-        some product has no such floor. The floors are measured up to JOINT_TOKENS rows, else
-        FIT_TOKENS."""
-        started = time.perf_counter()
-        for tokens in (JOINT_TOKENS, FIT_TOKENS):
-            floors = row_floors(self.language, tokens)
-            if floors is not None:
-                break
-        self.floor_seconds = time.perf_counter() - started
-        if floors is None:
-            log.warning("a product has no row floor: passes keep fixed rows")
-            return False
-        log.info("row floors %s up to %d rows (%.1f s)", floors, tokens, self.floor_seconds)
-        self.row_floors = floors
-        for layer in self.language.layers:
-            block = layer.self_attn if layer.kind == "full_attention" else layer.linear_attn
-            block.row_floors = layer.mlp.row_floors = floors
-            # the attention kernel needs no fixed rows: a program holds one row's queries
-            if layer.kind == "full_attention" and block.attend is folded_attention:
-                block.attend = partial(folded_attention, min_tokens=FIT_TOKENS)
-        if self.fla:
-            pin_fla_cumsum()
-        return True
-
     def make_functions(self) -> dict:
-        """The three graphs' bodies and the readout piece. On CUDA compiled by region: the
-        vision tower whole, the language-model passes one decoder layer at a time (one
-        compilation per layer kind and shape family serves all 32 layers: a whole pass compiled
-        as one graph took over 7 minutes on the H200's host), dynamic shapes (one compilation
-        serves every bucket of a family; each shape still gets its own CUDA graph)."""
+        """The graphs' bodies and the readout piece. On CUDA compiled by region: the vision
+        tower whole, the language-model passes one decoder layer at a time (one compilation per
+        layer kind and shape family serves all 32 layers: a whole pass compiled as one graph
+        took over 7 minutes on the H200's host), dynamic shapes (one compilation serves every
+        size; each size still gets its own CUDA graph)."""
         functions = {
             "vision": self.vision,
             "lm_state": partial(pass_body, self.language, return_state=True),
-            "lm_rows": partial(pass_body, self.language, return_state=False),
-            JOINT_GRAPH: partial(joint_body, self.language),
             PACKED_GRAPH: partial(packed_body, self.language),
             "readout": partial(piece_norms, vocab=self.vocab),
             "pick": picked_logprobs,
@@ -484,13 +366,10 @@ class TorchBackend:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         self.compile_modes = invariant_compilation()
         blocks = {name: torch.compile(f, dynamic=True) for name, f in BLOCKS.items()}
-        joint = {name: torch.compile(f, dynamic=True) for name, f in JOINT_BLOCKS.items()}
         packed = {name: torch.compile(f, dynamic=True) for name, f in PACKED_BLOCKS.items()}
         return {
             "vision": torch.compile(self.vision, dynamic=True),
             "lm_state": partial(pass_body, self.language, return_state=True, blocks=blocks),
-            "lm_rows": partial(pass_body, self.language, return_state=False, blocks=blocks),
-            JOINT_GRAPH: partial(joint_body, self.language, blocks=joint),
             PACKED_GRAPH: partial(packed_body, self.language, blocks=packed),
             "readout": torch.compile(functions["readout"], dynamic=False),
             "pick": torch.compile(picked_logprobs, dynamic=True),
@@ -499,8 +378,6 @@ class TorchBackend:
     def graph_dtypes(self, graph: str) -> dict[str, torch.dtype]:
         if graph == "vision":
             return dict.fromkeys(VISION_INPUTS, torch.float32)
-        if graph == IMAGE_GRAPH:
-            return {"rgb": torch.uint8, **dict.fromkeys(IMAGE_INPUTS[1:], torch.float32)}
         if graph == PACKED_GRAPH:
             return self.packed_dtypes()
         dtypes = {}
@@ -517,8 +394,6 @@ class TorchBackend:
                 dtypes[name] = self.dtype
             else:
                 dtypes[name] = torch.int64
-        if graph == JOINT_GRAPH:
-            dtypes.update({JOINT + name: torch.int64 for name in ROW_INPUTS})
         return dtypes
 
     def packed_dtypes(self) -> dict[str, torch.dtype]:
@@ -544,48 +419,36 @@ class TorchBackend:
         return self._dtypes[graph]
 
     def output_names(self, graph: str) -> list[str]:
-        if graph in VISION_GRAPHS:
+        if graph == "vision":
             return ["image_features"]
-        if graph == JOINT_GRAPH:
-            return [*READOUT_OUTPUTS, *(JOINT + name for name in READOUT_OUTPUTS)]
-        return lm_output_names(self.config, graph == "lm_state")
-
-    def lane_stream(self, lane: int) -> torch.cuda.Stream | None:
-        """The stream a lane's joint passes run on; None for lane 0 (the caller's stream)."""
-        return self.streams[lane] if 0 < lane < self.lanes else None
+        if graph == PACKED_GRAPH:
+            return list(READOUT_OUTPUTS)
+        return lm_output_names(self.config, return_state=True)
 
     def run(
         self,
         graph: str,
         feeds: dict[str, torch.Tensor],
         outputs: dict[str, torch.Tensor],
-        lane: int = 0,
     ) -> None:
-        """One pass; a joint pass in `lane` > 0 replays that lane's graph, reading that lane's
-        static inputs (the caller has made the lane's stream current)."""
-        if lane and (graph != JOINT_GRAPH or lane >= self.lanes):
-            raise ValueError(f"{graph} has no lane {lane} (lanes: {self.lanes})")
+        """One pass: on CUDA its shape's captured graph, elsewhere the eager body."""
         feeds = self.checked(graph, feeds)
-        if graph == "vision" and self.device.type == "cuda":
-            self.run_vision(feeds, outputs["image_features"])
-            return
-        if graph in VISION_GRAPHS:
-            if self.device.type != "cuda":
-                outputs["image_features"].copy_(self.compute(graph, feeds)["image_features"])
+        if graph == "vision":
+            if self.device.type == "cuda":
+                self.run_vision(feeds, outputs["image_features"])
             else:
-                self.slots[graph].run(signature(graph, feeds), feeds, outputs)
+                outputs["image_features"].copy_(self.compute(graph, feeds)["image_features"])
             return
         body = graph_body(feeds)
-        states = {n: t for n, t in outputs.items() if unprefixed(n) not in READOUT_OUTPUTS}
+        states = {n: t for n, t in outputs.items() if n not in READOUT_OUTPUTS}
         if self.device.type != "cuda":
             results = self.compute(graph, body)
             for name, out in states.items():
                 out.copy_(results[name])
         else:
-            slots = self.graph_slots(graph, lane)
-            results = slots.run(signature(graph, body), body, states).outputs
-        if any(unprefixed(name) in READOUT_OUTPUTS for name in outputs):
-            self.read(results["flat"], feeds, outputs, joint=graph == JOINT_GRAPH)
+            results = self.slots[graph].run(signature(graph, body), body, states).outputs
+        if any(name in READOUT_OUTPUTS for name in outputs):
+            self.read(results["flat"], feeds, outputs)
 
     def run_vision(self, feeds: dict[str, torch.Tensor], out: torch.Tensor) -> None:
         """The vision tower on CUDA, its patches padded to the next PATCH_STEP (`padded_patches`):
@@ -606,49 +469,25 @@ class TorchBackend:
             shapes.append(("vision", *specs, ("patches", (1,), torch.int64)))
         return shapes
 
-    def graph_slots(self, graph: str, lane: int) -> GraphSlots:
-        """The slots a pass of `graph` in `lane` replays."""
-        return self.lane_slots[lane - 1] if lane else self.slots[graph]
+    def read(self, flat: torch.Tensor, feeds: dict, outputs: dict) -> None:
+        """The readouts of a pass from `flat`: the hidden states at `read_rows`, and the
+        log-probabilities from one `readout` (each row once, where the plan gave
+        `target_slots`)."""
+        outputs["hidden"].copy_(flat[feeds["read_rows"]])
+        rows, tokens = feeds["target_rows"], feeds["target_tokens"]
+        slots = feeds.get("target_slots")
+        outputs["logprobs"].copy_(self.readout(flat, rows, tokens, slots))
 
-    def read(self, flat: torch.Tensor, feeds: dict, outputs: dict, joint: bool) -> None:
-        """The readouts of a pass from `flat`; a joint pass's option tokens follow its question
-        rows' there, and both parts' log-probabilities come from one `readout` (each row once,
-        where the plan gave `target_slots`: Pass.arrays(pad=False))."""
-        parts = [("", 0)]
-        if joint:
-            parts.append((JOINT, feeds["input_ids"].numel()))
-        for prefix, offset in parts:
-            outputs[prefix + "hidden"].copy_(flat[feeds[prefix + "read_rows"] + offset])
-        rows, slots, tokens, at = [], [], [], 0
-        for prefix, offset in parts:
-            mine = feeds[prefix + "target_rows"]
-            slot = feeds.get(prefix + "target_slots")
-            if slot is None:
-                slot = torch.arange(mine.shape[0], device=mine.device)
-            rows.append(mine + offset)
-            slots.append(slot + at)
-            tokens.append(feeds[prefix + "target_tokens"])
-            at += mine.shape[0]
-        wide = any(feeds[p + "input_ids"].shape[0] > CHUNK_MAX_ROWS for p, _ in parts[1:])
-        piece = WIDE_READOUT_PIECE if wide else READOUT_PIECE
-        logprobs = self.readout(flat, torch.cat(rows), torch.cat(tokens), torch.cat(slots), piece)
-        at = 0
-        for prefix, _ in parts:
-            count = outputs[prefix + "logprobs"].shape[0]
-            outputs[prefix + "logprobs"].copy_(logprobs[at : at + count])
-            at += count
-
-    def prepare(self, signatures: list[tuple], lane: int = 0) -> int:
+    def prepare(self, signatures: list[tuple]) -> int:
         """Compiles and captures each pass signature ahead of its first request, on stand-in
-        feeds (zeros, every row one token long): a graph's work depends on shapes alone. A
-        joint pass's in `lane` (its stream current)."""
+        feeds (zeros, every row one token long): a graph's work depends on shapes alone."""
         new = 0
         for given in signatures:
             graph, *specs = given
             feeds = graph_body(
                 {name: stand_in(name, shape, dtype, self.device) for name, shape, dtype in specs}
             )
-            key, slots = signature(graph, feeds), self.graph_slots(graph, lane)
+            key, slots = signature(graph, feeds), self.slots[graph]
             slot = slots.get(key)
             if slot is not None and slot.built:
                 continue
@@ -660,36 +499,9 @@ class TorchBackend:
     def settle(self) -> int:
         return 0  # nothing builds in the background: compilation happens in prepare or run
 
-    def built(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> bool:
-        if self.device.type != "cuda":
-            return True  # nothing is captured: every shape runs as it comes
-        key = signature(graph, graph_body(self.checked(graph, feeds)))
-        slot = self.graph_slots(graph, lane).get(key)
-        return slot is not None and slot.built
-
-    def build_later(self, graph: str, feeds: dict[str, torch.Tensor], lane: int = 0) -> None:
-        body = graph_body(self.checked(graph, feeds))
-        specs = tuple((name, tuple(t.shape), t.dtype) for name, t in body.items())
-        self.pending[(graph, *specs)] = lane
-
-    def build_pending(self) -> bool:
-        """Builds the oldest noted shape on stand-in feeds (`prepare`), in its lane's stream."""
-        if not self.pending:
-            return False
-        given = next(iter(self.pending))
-        lane = self.pending.pop(given)
-        stream = self.lane_stream(lane)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            self.prepare([given], lane)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return bool(self.pending)
-
     def stats(self) -> dict:
-        lanes = {f"{JOINT_GRAPH}@{k + 1}": s.stats() for k, s in enumerate(self.lane_slots)}
-        every = [*self.slots.values(), *self.lane_slots]
         graphs = {graph: slots.stats() for graph, slots in self.slots.items()}
-        return {**graphs, **lanes, **builds_of(every)}
+        return {**graphs, **builds_of(self.slots.values())}
 
     # -- passes -----------------------------------------------------------------------------
 
@@ -697,29 +509,21 @@ class TorchBackend:
         """The graph's feeds, and the plan's `target_slots` (not a graph input: the readout's)."""
         return checked_feeds(graph, feeds, self._fed[graph], self.device)
 
-    def bind(
-        self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict, lane: int = 0
-    ) -> Slot:
+    def bind(self, key: tuple, feeds: dict[str, torch.Tensor], outputs: dict) -> Slot:
         """A slot's static inputs, shared by every slot with an input of that name and shape
         (passes run one at a time and each copies its feeds in just before its replay: one
-        0.8 GB recurrent-state buffer serves every option-pass shape of the 4b); its outputs are
-        whatever the launch returned last (during a capture: tensors of the graph's own pool,
-        rewritten by every replay). A lane's slots share the lane's buffers only."""
+        prefix-state buffer serves every packed size); its outputs are whatever the launch
+        returned last (during a capture: tensors of the graph's own pool, rewritten by every
+        replay)."""
         inputs = {
-            name: self.state_buffer(name, tuple(tensor.shape), tensor.dtype, lane)
+            name: self.state_buffer(name, tuple(tensor.shape), tensor.dtype)
             for name, tensor in feeds.items()
         }
         return Slot(inputs=inputs, outputs={})
 
-    def state_buffer(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, lane: int = 0
-    ) -> torch.Tensor:
-        """The static input buffer a pass reads the input `name` of this shape from (`bind`
-        makes every slot's inputs here): a question pass writes its states there, and the option
-        passes after it read them without a copy in (0.8 GB of recurrent state per 16-row
-        question pass of the 4b). The CPU lends too, so that the tests run the same order of
-        writes and reads."""
-        key = (name, tuple(shape), dtype) if not lane else (lane, name, tuple(shape), dtype)
+    def state_buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The static input buffer a pass reads the input `name` of this shape from."""
+        key = (name, tuple(shape), dtype)
         if key not in self.buffers:
             self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
         return self.buffers[key]
@@ -734,19 +538,7 @@ class TorchBackend:
             tower = self.functions["vision"]
             inputs = (feeds[n] for n in VISION_INPUTS)
             return {"image_features": tower(*inputs, feeds.get("patches"))}
-        if graph == IMAGE_GRAPH:
-            pixels = self.image_pixels(feeds["rgb"])
-            tables = (feeds[n] for n in IMAGE_INPUTS[1:])
-            return {"image_features": self.functions["vision"](pixels, *tables)}
         return self.functions[graph](feeds)
-
-    def image_pixels(self, rgb: torch.Tensor) -> torch.Tensor:
-        """The vision tower's float32 patches of a decoded uint8 image: `resize_rgb_torch` to
-        `smart_resize` of its size, then `device_pixel_values`, the host's bytes (executor's
-        `pixel_values` on the same image)."""
-        height, width = smart_resize(rgb.shape[0], rgb.shape[1])
-        resized = resize_rgb_torch(rgb, height, width)
-        return device_pixel_values(resized, self.pixel_table).contiguous()
 
     def readout(
         self,
@@ -754,14 +546,13 @@ class TorchBackend:
         target_rows: torch.Tensor,
         tokens: torch.Tensor,
         slots: torch.Tensor | None = None,
-        piece: int | None = None,
     ) -> torch.Tensor:
         """Log-probabilities of `tokens`, target i at row `target_rows[slots[i]]` of `flat`
-        (`slots` None: target i at `target_rows[i]`), `piece` rows at a time (READOUT_PIECE
-        where None), each row once; every target reads the piece its row is in."""
+        (`slots` None: target i at `target_rows[i]`), READOUT_PIECE rows at a time, each row
+        once; every target reads the piece its row is in."""
         if slots is None:
             slots = torch.arange(target_rows.shape[0], device=target_rows.device)
-        piece = piece or READOUT_PIECE
+        piece = READOUT_PIECE
         count = target_rows.shape[0]
         pad = (-count) % piece
         rows = flat[F.pad(target_rows, (0, pad))]
@@ -792,68 +583,9 @@ def padded_patches(feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return padded
 
 
-def lane_streams(device: torch.device, lanes: int) -> list[torch.cuda.Stream]:
-    """`lanes` distinct streams: lane 0's capture stream, then each other lane's. torch hands
-    out its pooled streams in turn, so consecutive ones differ; the check says so."""
-    streams = [torch.cuda.Stream(device) for _ in range(lanes)]
-    if len({s.cuda_stream for s in streams}) != lanes:
-        raise RuntimeError(f"lanes need {lanes} distinct CUDA streams")
-    return streams
-
-
 def graph_body(feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The feeds a pass's graph takes, its readout's aside: what its slots are keyed by."""
-    return {n: t for n, t in feeds.items() if unprefixed(n) not in READOUT_INPUTS}
-
-
-def unprefixed(name: str) -> str:
-    """A feed's or output's name without its joint part's prefix."""
-    return name.removeprefix(JOINT)
-
-
-def product_weights(language) -> list[torch.Tensor]:
-    """One weight of each shape the passes multiply by, as they run it (fused where fused)."""
-    found: dict[tuple, torch.Tensor] = {}
-    for layer in language.layers:
-        if layer.kind == "full_attention":
-            attn = layer.self_attn
-            weights = [attn.qkv, attn.o_proj.weight]
-        else:
-            delta = layer.linear_attn
-            weights = [delta.in_proj, delta.out_proj.weight]
-        weights += [layer.mlp.gate_up, layer.mlp.down_proj.weight]
-        for weight in weights:
-            if weight is not None:
-                found.setdefault(tuple(weight.shape), weight)
-    return list(found.values())
-
-
-def row_floors(language, tokens: int) -> dict[tuple, int] | None:
-    """Each product's `row_floor` up to `tokens` rows, by weight shape; None if one has none."""
-    floors = {}
-    for weight in product_weights(language):
-        floor = row_floor(weight, tokens)
-        if floor is None:
-            log.info("product %s: no row floor up to %d rows", tuple(weight.shape), tokens)
-            return None
-        floors[tuple(weight.shape)] = floor
-    return floors
-
-
-def row_floor(weight: torch.Tensor, tokens: int) -> int | None:
-    """The first of FLOOR_CANDIDATES under which every multiple of ROW_STEP rows below `tokens`
-    gives each row the bytes it has in a product of `tokens` rows; None if none does."""
-    generator = torch.Generator(device=weight.device).manual_seed(FLOOR_SEED)
-    x = torch.randn(
-        tokens, weight.shape[1], generator=generator, device=weight.device, dtype=weight.dtype
-    )
-    full = product(x, weight)
-    rows = range(ROW_STEP, tokens, ROW_STEP)
-    for floor in FLOOR_CANDIDATES:
-        floors = {tuple(weight.shape): floor}
-        if all(torch.equal(product(x[:m], weight, floors), full[:m]) for m in rows):
-            return floor
-    return None
+    return {n: t for n, t in feeds.items() if n not in READOUT_INPUTS}
 
 
 def invariant_compilation() -> list[str]:
@@ -882,27 +614,8 @@ def invariant_compilation() -> list[str]:
     return modes
 
 
-def pin_fla_cumsum() -> None:
-    """fla's chunk-local cumsum is autotuned over warp counts keyed by batch size, and a scan's
-    sum order follows its warps: with fitted passes a question's gates could be summed
-    differently as its pass's rows change. One configuration (one warp: a chunk is 64 values)
-    takes the autotuner out of it."""
-    from fla.ops.utils import cumsum
-
-    pinned = 0
-    for name in dir(cumsum):
-        tuner = getattr(cumsum, name)
-        while tuner is not None and not hasattr(tuner, "configs"):
-            tuner = getattr(tuner, "fn", None)  # under triton.heuristics
-        if tuner is not None and "B" in getattr(tuner, "keys", ()):
-            tuner.configs = tuner.configs[:1]
-            pinned += 1
-    if not pinned:
-        log.warning("no fla cumsum autotuner keyed by batch size found to pin")
-
-
 def stand_in(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A feed for warm-up: zeros, except one valid token per row (a joint pass's parts too)."""
-    if unprefixed(name) == "lengths":
+    """A feed for warm-up: zeros, except one valid token per row."""
+    if name == "lengths":
         return torch.ones(shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -354,9 +354,7 @@ class OrtBackend(Portable):
         graph: str,
         feeds: dict[str, torch.Tensor],
         outputs: dict[str, torch.Tensor],
-        lane: int = 0,
     ) -> None:
-        self.check_lane(graph, lane)
         feeds = self._checked(graph, feeds)
         shapes = signature(feeds, outputs)
         if self._fixed(graph, shapes) and self._fixed_slot(graph, shapes, feeds, outputs):

@@ -229,9 +229,7 @@ class TensorRTBackend(Portable):
         graph: str,
         feeds: dict[str, torch.Tensor],
         outputs: dict[str, torch.Tensor],
-        lane: int = 0,
     ) -> None:
-        self.check_lane(graph, lane)
         plan = self.plans[graph]
         tensors = self._inputs(graph, plan, feeds)
         values = axis_values(plan.inputs, {name: t.shape for name, t in tensors.items()})

@@ -1,7 +1,6 @@
 """One language-model pass over right-padded rows, each continuing its image prefix (one of the
 pass's `prefix_rows`) and its own state: gated attention, Gated DeltaNet, the readouts
-(docs/design.md "Language-model passes"); and the torch backend's joint pass, a question's rows
-and the option rows continuing them.
+(docs/design.md "Language-model passes").
 
 Follows transformers 5.17 `Qwen3_5TextModel` (docs/model.md §2-§5); the Gated DeltaNet core comes
 from `runtime.model.gdn` by name.
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.readout import token_logprobs
-from runtime.constants import JOINT_PREFIXES
 from runtime.model.gdn import CORES, GDN_VARIANTS, l2norm
 from runtime.model.layers import (
     MASKED,
@@ -128,7 +126,6 @@ def folded_attention(
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    min_tokens: int = 0,
 ) -> torch.Tensor:
     """`grouped_attention` with every row's queries folded into one matrix product against the
     shared keys ([KVH, B·G·T, hd] × [KVH, hd, P]) and back, so that the prefix is read once per
@@ -137,12 +134,7 @@ def folded_attention(
     With several image prefixes (R > 1), each prefix's two products run over every row's
     queries, exactly the products of the pass holding that prefix alone, and a row keeps those
     of its own prefix (`prefix_rows`): its bytes are the ones it has with its prefix alone, at
-    the cost of a prefix's products for each prefix (on the CPU, each prefix its rows read).
-
-    With `min_tokens` (fitted passes) each of the four products runs over `min_tokens // T`
-    rows (zero rows appended, cut after): one shape per length bucket whatever the pass's row
-    count, so a row's bytes cannot follow the kernel its row count would pick. The softmax and
-    the rest see the real rows only."""
+    the cost of a prefix's products for each prefix (on the CPU, each prefix its rows read)."""
     keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
     shared_k, shared_v, keys, values, mask = aligned_keys(shared_k, shared_v, keys, values, mask)
     b, heads, t, hd = q.shape
@@ -150,15 +142,6 @@ def folded_attention(
     group = heads // kv_heads
     folded_rows = b * group * t
     prefixes = read_prefixes(shared_k.shape[0], prefix_rows)
-
-    def fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
-        """`x` with zero rows up to `min_tokens // T` rows (dim 0) or folded rows (dim 1)."""
-        if not min_tokens:
-            return x
-        rows = torch.sym_max(min_tokens // t, b)
-        extra = list(x.shape)
-        extra[dim] = (rows if dim == 0 else rows * group * t) - x.shape[dim]
-        return torch.cat([x, x.new_zeros(extra)], dim=dim)
 
     def own_prefix(parts: list[torch.Tensor]) -> torch.Tensor:
         """Each row's [B, ...] of the products of its own prefix (one part each of `prefixes`)."""
@@ -169,7 +152,7 @@ def folded_attention(
         return picked
 
     qg = q.reshape(b, kv_heads, group, t, hd)
-    folded = fixed(qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, hd), 1)
+    folded = qg.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, hd)
     shared = own_prefix(
         [
             (folded @ shared_k[r].transpose(-1, -2))[:, :folded_rows]
@@ -178,12 +161,12 @@ def folded_attention(
             for r in prefixes
         ]
     )
-    own = (fixed(qg, 0) @ fixed(keys, 0)[:, :, None].transpose(-1, -2))[:b]
+    own = qg @ keys[:, :, None].transpose(-1, -2)
     scores = torch.cat([shared, own], dim=-1) * scale
     scores = torch.where(mask[:, None, None], scores.float(), MASKED)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     p_shared, p_own = probs.split([p, keys.shape[2]], dim=-1)
-    p_folded = fixed(p_shared.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, p), 1)
+    p_folded = p_shared.permute(1, 0, 2, 3, 4).reshape(kv_heads, folded_rows, p)
     from_shared = own_prefix(
         [
             (p_folded @ shared_v[r])[:, :folded_rows]
@@ -192,7 +175,7 @@ def folded_attention(
             for r in prefixes
         ]
     )
-    from_own = (fixed(p_own, 0) @ fixed(values, 0)[:, :, None])[:b]
+    from_own = p_own @ values[:, :, None]
     out = from_shared.float() + from_own.float()
     out = out.to(values.dtype).reshape(b, heads, t, hd)
     return out.transpose(1, 2).reshape(b, t, heads * hd)
@@ -211,8 +194,6 @@ def read_prefixes(count: int, prefix_rows: torch.Tensor) -> list[int]:
 
 class GatedAttention(nn.Module):
     """Qwen3_5Attention: query + sigmoid gate per head, q/k norms, partial M-RoPE, GQA."""
-
-    row_floors: dict | None = None  # `product`'s floors, set by the torch backend
 
     def __init__(self, tc: dict):
         super().__init__()
@@ -242,9 +223,7 @@ class GatedAttention(nn.Module):
         """Per token of x [..., D]: q [..., H, hd] (before its norm), the gate [..., H·hd], k
         and v [..., KVH·hd]."""
         lead = x.shape[:-1]
-        q, k, v = projections(
-            x, self.qkv, self.q_proj, self.k_proj, self.v_proj, floors=self.row_floors
-        )
+        q, k, v = projections(x, self.qkv, self.q_proj, self.k_proj, self.v_proj)
         q, gate = q.reshape(*lead, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         return q, gate.reshape(*lead, self.heads * self.head_dim), k, v
 
@@ -263,14 +242,12 @@ class GatedAttention(nn.Module):
         return attn, k, v
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return product(attn * torch.sigmoid(gate), self.o_proj.weight, self.row_floors)
+        return product(attn * torch.sigmoid(gate), self.o_proj.weight)
 
 
 class GatedDeltaNet(nn.Module):
     """Qwen3_5GatedDeltaNet continuing a conv and recurrent state; pads (t ≥ length) leave
     both states untouched (decay 0, beta 0; conv state = last K−1 valid raw columns)."""
-
-    row_floors: dict | None = None  # `product`'s floors, set by the torch backend
 
     def __init__(self, tc: dict, gdn: str):
         super().__init__()
@@ -343,10 +320,10 @@ class GatedDeltaNet(nn.Module):
 
     def project(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Per token of x [..., D]: the conv's raw input, the gate z, beta's and a's logits."""
-        return projections(x, self.in_proj, *self.input_linears(), floors=self.row_floors)
+        return projections(x, self.in_proj, *self.input_linears())
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
-        return product(y, self.out_proj.weight, self.row_floors)
+        return product(y, self.out_proj.weight)
 
     def mix(self, raw, z, beta_raw, a, valid, lengths, conv_past, rec_past, want_state, src):
         """Rows [B, T] of `project`'s outputs: the normed core output [B, T, HV·dv] (before
@@ -674,117 +651,3 @@ def rows_mask(prefix_mask: torch.Tensor, past: torch.Tensor, own: torch.Tensor) 
         [prefix_mask[:, None, :].expand(-1, t, -1), past[:, None, :].expand(-1, t, -1), own],
         dim=-1,
     )
-
-
-# -- the joint pass: a question pass's rows and the option rows that continue them, as one ------
-
-
-def part(x: torch.Tensor, start, rows: int, tokens: int) -> torch.Tensor:
-    """Rows [rows, tokens, ...] of the flat tokens x [N, ...] from token `start` on."""
-    return x[start : start + rows * tokens].reshape(rows, tokens, *x.shape[1:])
-
-
-def joint_attention_block(
-    layer, h, cos_q, sin_q, mask_q, parts, prefix_k, prefix_v, prefix_rows, src_k, src_v
-):
-    """One attention decoder layer of `joint_body` over the flat tokens h [Nq + No, D]: the
-    question rows as `attention_block` would run them, then each part's option rows (`parts`:
-    cos, sin, mask, src and prefix rows of each), whose past is their question row's keys and
-    values of this very layer; the products over all tokens."""
-    attn = layer.self_attn
-    bq, tq = cos_q.shape[:2]
-    q, gate, k, v = attn.project(layer.input_layernorm(h))
-    mine = [part(x, 0, bq, tq) for x in (q, k, v)]
-    out_q, k_q, v_q = attn.mix(
-        *mine, cos_q, sin_q, mask_q, prefix_k, prefix_v, prefix_rows, src_k, src_v
-    )
-    outs, at = [out_q.flatten(0, 1)], bq * tq
-    for cos_o, sin_o, mask_o, src, rows_o in parts:
-        bo, to = cos_o.shape[:2]
-        theirs = [part(x, at, bo, to) for x in (q, k, v)]
-        out_o, _, _ = attn.mix(
-            *theirs, cos_o, sin_o, mask_o, prefix_k, prefix_v, rows_o, per_row(k_q, src, bo),
-            per_row(v_q, src, bo),
-        )  # fmt: skip
-        outs.append(out_o.flatten(0, 1))
-        at = at + bo * to
-    h = h + attn.output(torch.cat(outs), gate)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def joint_delta_block(layer, h, valid_q, lengths_q, parts, conv_past, rec_past, src_q):
-    """One Gated DeltaNet decoder layer of `joint_body`: the question rows carry their sources'
-    states on (`delta_block`), each part's option rows (`parts`: valid, lengths and src of
-    each) continue their question row's states of this very layer; the products over all
-    tokens."""
-    delta = layer.linear_attn
-    bq, tq = valid_q.shape
-    projected = delta.project(layer.input_layernorm(h))
-    y_q, conv, rec = delta.mix(
-        *(part(x, 0, bq, tq) for x in projected), valid_q, lengths_q, conv_past, rec_past,
-        True, src_q,
-    )  # fmt: skip
-    ys, at = [y_q.flatten(0, 1)], bq * tq
-    for valid_o, lengths_o, src_o in parts:
-        bo, to = valid_o.shape
-        y_o, _, _ = delta.mix(
-            *(part(x, at, bo, to) for x in projected), valid_o, lengths_o,
-            per_row(conv, src_o, bo), rec, False, src_o,
-        )  # fmt: skip
-        ys.append(y_o.flatten(0, 1))
-        at = at + bo * to
-    h = h + delta.output(torch.cat(ys))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-JOINT_BLOCKS = {"attention": joint_attention_block, "delta": joint_delta_block}
-
-
-def fed_parts(feeds: dict) -> tuple[str, ...]:
-    """The JOINT_PREFIXES of the parts a joint pass's feeds hold, in order."""
-    return tuple(p for p in JOINT_PREFIXES if p + "input_ids" in feeds)
-
-
-def joint_body(
-    module: LanguagePass, feeds: dict, blocks: dict | None = None
-) -> dict[str, torch.Tensor]:
-    """A question pass and the option passes over its rows (its parts) as one pass (the torch
-    backend's `lm_joint`): the question rows (the graph's names) continue the image prefix,
-    each part's option rows (a JOINT_PREFIXES prefix + the names; its `src` indexes the
-    question rows, its `prefix_rows` the prefixes, each its question row's) continue the
-    question rows layer by layer. Every row gets the arithmetic of
-    its own pass (`pass_body`); the products run once over all the parts' tokens, so the
-    weights are read once for all. Returns `flat` [Nq + No, D] after the final norm, the
-    question rows' tokens first, then each part's in order."""
-    blocks = blocks or JOINT_BLOCKS
-    src, prefix_rows = feeds["src"], feeds["prefix_rows"]
-    h_q, cos_q, sin_q, valid_q, own_q = rows_inputs(module, feeds, "")
-    bq = valid_q.shape[0]
-    prefix_q = per_row(feeds["prefix_mask"], prefix_rows, bq)
-    mask_q = rows_mask(prefix_q, per_row(feeds["src_mask"], src, bq), own_q)
-    rows, attending, carrying = [h_q.flatten(0, 1)], [], []
-    for prefix in fed_parts(feeds):
-        h_o, cos_o, sin_o, valid_o, own_o = rows_inputs(module, feeds, prefix)
-        opt_src, opt_prefix = feeds[prefix + "src"], feeds[prefix + "prefix_rows"]
-        rows.append(h_o.flatten(0, 1))
-        prefix_o = per_row(feeds["prefix_mask"], opt_prefix, opt_src.shape[0])
-        mask_o = rows_mask(prefix_o, valid_q[opt_src], own_o)
-        attending.append((cos_o, sin_o, mask_o, opt_src, opt_prefix))
-        carrying.append((valid_o, feeds[prefix + "lengths"], opt_src))
-    h = torch.cat(rows)
-    i = j = 0
-    for layer in module.layers:
-        if layer.kind == "full_attention":
-            h = blocks["attention"](
-                layer, h, cos_q, sin_q, mask_q, attending,
-                feeds[f"prefix_k.{i}"], feeds[f"prefix_v.{i}"], prefix_rows,
-                per_row(feeds[f"src_k.{i}"], src, bq), per_row(feeds[f"src_v.{i}"], src, bq),
-            )  # fmt: skip
-            i += 1
-        else:
-            h = blocks["delta"](
-                layer, h, valid_q, feeds["lengths"], carrying,
-                per_row(feeds[f"src_conv.{j}"], src, bq), feeds[f"src_rec.{j}"], src,
-            )  # fmt: skip
-            j += 1
-    return {"flat": module.norm(h)}

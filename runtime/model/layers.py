@@ -28,48 +28,18 @@ def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
     setattr(module, name, weight)
 
 
-@torch.library.custom_op("omnijev::floored_linear", mutates_args=())
-def floored_linear(x: torch.Tensor, weight: torch.Tensor, floor: int) -> torch.Tensor:
-    """`x @ weight.T` for x [rows, K], over at least `floor` rows (rows appended, cut after):
-    `product`'s padding as one op whose output shape is the input's rows. Out of the compiler's
-    sight, so that a compiled graph carries no guard on which side of the floor its row count
-    fell (a pad in the traced graph made a new process trace a block again for each side)."""
-    rows = x.shape[0]
-    if rows >= floor:
-        return F.linear(x, weight)
-    # the padding rows are left unwritten: a product's row reads its own row only, so what the
-    # others hold cannot change its bytes (their number can); one copy, not a fill and a copy
-    full = x.new_empty(floor, x.shape[1])
-    full[:rows] = x
-    return F.linear(full, weight)[:rows]
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T`."""
+    return F.linear(x, weight)
 
 
-@floored_linear.register_fake
-def _(x, weight, floor):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def product(x: torch.Tensor, weight: torch.Tensor, floors: dict | None = None) -> torch.Tensor:
-    """`x @ weight.T`, over at least `floors[weight.shape]` rows (zero rows appended, cut
-    after) where the map names a floor: the matrix-product library picks its kernel by shape,
-    and below some row count it splits the inner sum, so a row's bytes would follow the number
-    of rows (TorchBackend.fit_rows measures the floors; None or 0: the plain product)."""
-    floor = floors.get(tuple(weight.shape), 0) if floors else 0
-    if not floor:
-        return F.linear(x, weight)
-    flat = x.reshape(-1, x.shape[-1])
-    return floored_linear(flat, weight, floor).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def projections(
-    x: torch.Tensor, weight: torch.Tensor | None, *linears: nn.Linear, floors: dict | None = None
-) -> list:
+def projections(x: torch.Tensor, weight: torch.Tensor | None, *linears: nn.Linear) -> list:
     """The outputs of `linears`, in order: views of one product where `fuse_linears` made their
-    fused `weight` (at least `floors`' rows: `product`), else each Linear's own."""
+    fused `weight`, else each Linear's own."""
     if weight is None:
         return [linear(x) for linear in linears]
     sizes = [linear.out_features for linear in linears]
-    return list(product(x, weight, floors).split(sizes, dim=-1))
+    return list(product(x, weight).split(sizes, dim=-1))
 
 
 def per_row(per_source: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
@@ -122,8 +92,6 @@ class GatedRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    row_floors: dict | None = None  # `product`'s floors, set by the torch backend
-
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -135,6 +103,5 @@ class MLP(nn.Module):
         fuse_linears(self, "gate_up", self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        floors = self.row_floors
-        gate, up = projections(x, self.gate_up, self.gate_proj, self.up_proj, floors=floors)
-        return product(F.silu(gate) * up, self.down_proj.weight, floors)
+        gate, up = projections(x, self.gate_up, self.gate_proj, self.up_proj)
+        return product(F.silu(gate) * up, self.down_proj.weight)
