@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One tree served on one GPU over HTTP (4b synthetic checkpoint, BF16, torch backend, prefix cache
+# off) under the traffic suite, for comparing two trees on one machine in turns: its start to
+# /health 200, the mixed suite and its held-out stream at one client, the issue's 12-question
+# 1920x1080 JPEG and 1-question 1920x1080 PNG requests, 16 clients, then the worker's shape
+# builds by phase and its GPU memory from /metrics. TREE is this tree (.) or another revision's
+# files (`git archive REV | tar x -C .before`, carried); the load driver is always this tree's.
+# With `check`, bench.packed_check runs first, in process (shape builds, bytes alone and together).
+#   bash bench/serve_ab.sh TREE NAME OUTDIR [check]
+set -uo pipefail
+tree=${1:?usage: bench/serve_ab.sh TREE NAME OUTDIR}; name=${2:?}; out=${3:?}
+root=$PWD; tree=$(cd "$tree" && pwd); mkdir -p "$out"
+if [[ ! -d /tmp/site/fastapi ]]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
+fi
+export FLA_PATH=/tmp/fla PYTHONUNBUFFERED=1
+ck=/tmp/omnijev/4b-export; en=/tmp/omnijev/engines-$name; url=http://127.0.0.1:8000
+log() { echo "[$(date +%T), ${SECONDS} s] $*" | tee -a "$out/log.txt"; }
+if [[ ! -d $ck ]]; then
+  log "checkpoint"
+  PYTHONPATH=/tmp/site:$root python3 -c "
+import shutil; from pathlib import Path
+from build_engines.checkpoints import make_checkpoint, release_path
+make_checkpoint('4b', 0, Path('$ck')); shutil.rmtree(release_path(Path('$ck')), ignore_errors=True)"
+fi
+(cd "$tree" && PYTHONPATH=/tmp/site:$tree python3 -c "
+from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '$en', 'bfloat16')")
+if [[ ${4:-} == check ]]; then
+  log "$name: check"
+  (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree timeout 330 python3 -m bench.packed_check \
+    --checkpoint "$ck" --engines "$en" --requests 18 --out "$out/$name-check.json" \
+    > "$out/$name-check.log" 2>&1); tail -25 "$out/$name-check.log"
+fi
+log "$name: serve"
+(cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree exec python3 -m runtime.cli serve \
+  --checkpoint "$ck" --engines "$en" --port 8000 --prefix-cache 0 --backend torch \
+  > "$out/$name-server.log" 2>&1) &
+server=$!
+until curl -sf $url/health > /dev/null; do
+  kill -0 $server 2> /dev/null || { log "$name: the server exited"; tail -40 "$out/$name-server.log"; exit 1; }
+  sleep 0.5
+done
+log "$name: ready"
+load() {  # NAME-SUFFIX, then bench.load's options
+  local label=$1; shift
+  PYTHONPATH=/tmp/site:$root python3 -m bench.load --url $url/v1/systemone --suite traffic \
+    --seed 0 --out "$out/$name-$label.json" "$@" 2>&1 | tail -4 | tee -a "$out/log.txt"
+}
+load mixed-c1 --clients 1 --requests 160 --warm-up 8
+load heldout-c1 --clients 1 --requests 80 --held-out
+load q12-jpeg --clients 1 --requests 24 --questions 12 --image-size 1920x1080 --format jpeg
+load q1-png --clients 1 --requests 24 --questions 1 --image-size 1920x1080 --format png
+load mixed-c16 --clients 16 --requests 160
+curl -s $url/metrics | grep -E "^omnijev_shape_build|^omnijev_cuda_memory" | tee "$out/$name-metrics.txt"
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee -a "$out/$name-metrics.txt"
+kill $server; wait $server 2> /dev/null
+log "$name: done"
