@@ -29,7 +29,7 @@ from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '$en
 if [[ ${4:-} == check ]]; then
   log "$name: check"
   (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree timeout 330 python3 -m bench.packed_check \
-    --checkpoint "$ck" --engines "$en" --requests 18 --out "$out/$name-check.json" \
+    --checkpoint "$ck" --engines "$en" --requests 9 --out "$out/$name-check.json" \
     > "$out/$name-check.log" 2>&1); tail -25 "$out/$name-check.log"
 fi
 log "$name: serve"
@@ -47,11 +47,11 @@ load() {  # NAME-SUFFIX, then bench.load's options
   PYTHONPATH=/tmp/site:$root python3 -m bench.load --url $url/v1/systemone --suite traffic \
     --seed 0 --out "$out/$name-$label.json" "$@" 2>&1 | tail -4 | tee -a "$out/log.txt"
 }
-load mixed-c1 --clients 1 --requests 160 --warm-up 8
-load heldout-c1 --clients 1 --requests 80 --held-out
-load q12-jpeg --clients 1 --requests 24 --questions 12 --image-size 1920x1080 --format jpeg
-load q1-png --clients 1 --requests 24 --questions 1 --image-size 1920x1080 --format png
-load mixed-c16 --clients 16 --requests 160
+load mixed-c1 --clients 1 --requests 100 --warm-up 8
+load heldout-c1 --clients 1 --requests 60 --held-out
+load q12-jpeg --clients 1 --requests 20 --questions 12 --image-size 1920x1080 --format jpeg
+load q1-png --clients 1 --requests 20 --questions 1 --image-size 1920x1080 --format png
+load mixed-c16 --clients 16 --requests 120
 curl -s $url/metrics | grep -E "^omnijev_shape_build|^omnijev_cuda_memory" | tee "$out/$name-metrics.txt"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee -a "$out/$name-metrics.txt"
 kill $server; wait $server 2> /dev/null
