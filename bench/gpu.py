@@ -9,7 +9,7 @@ on the CPU with the tiny preset in float32.
     serve     `omnijev serve` (prefix cache off) under closed-loop HTTP load (bench.load)
     batches   the traffic suite's requests alone and batched in process: bytes, times, builds
     sizes     the first request about each of 10 image sizes not warmed, against it warm
-    plans     the GPU's pass plans of the suite: passes, token slots, graph keys and misses;
+    plans     the packed pass plans of the suite: passes, token slots filled, packed sizes;
               with --times, a sizes record's requests planned and their warm times fitted
 
 Every setting is a RuntimeConfig or an `omnijev` option; nothing is patched.
@@ -429,8 +429,10 @@ def batches_command(m: Machine, args) -> dict:
 
     build(m, args)
     executor = executor_for(m, m.engines())
+    built = executor.build_shapes()  # as the worker before ready
     executor.answer(json.dumps(executor.warm_up_request()).encode())
-    record = {"environment": environment(), "check_batches": executor.check_batches()}
+    record = {"environment": environment(), "built_before_ready": built}
+    record["check_batches"] = executor.check_batches()
     record.update(batches(executor, args.seed, args.requests))
     m.save("batches.json", record)
     print(f"the batch check before ready: merges {record['check_batches']}")
@@ -444,10 +446,11 @@ def sizes_command(m: Machine, args) -> dict:
 
     build(m, args)
     executor = executor_for(m, m.engines())
-    for body in warm_bodies(m):  # the worker's warm-up: each twice, so its graphs are captured
+    built = executor.build_shapes()  # the worker's warm-up: every shape, then its requests
+    for body in warm_bodies(m):
         executor.answer(body)
-        executor.answer(body)
-    record = {"environment": environment(), "warm_builds": executor.shape_builds()}
+    record = {"environment": environment(), "built_before_ready": built}
+    record["warm_builds"] = executor.shape_builds()
     record.update(sizes(executor, args.seed, args.questions))
     m.save(f"sizes{questions_suffix(args)}.json", record)
     print(table(record))

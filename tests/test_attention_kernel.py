@@ -110,13 +110,3 @@ def test_the_query_tile_follows_the_length_bucket_only():
     assert query_tile(4, 2) == DOT_MIN and query_tile(4, 8) == 32
     assert query_tile(4, 16) == query_tile(4, 640) == BLOCK_ROWS
     assert {query_tile(4, t) for t in (1, 2, 4, 8, 16, 24, 32, 640)} <= set(TILES)
-
-
-def test_chunked_passes_hold_no_more_rows_than_fitted_passes_give_a_row():
-    """The chunks are chosen by the pass's rows: every pass a row may share with other
-    questions' rows holds at most CHUNK_MAX_ROWS, so its chunking is its own."""
-    from runtime import passes
-    from runtime.model.attention_kernels import CHUNK_MAX_ROWS
-
-    shared = [passes.QUESTION_ROWS, *(rows for _, rows, _ in passes.OPTION_FAMILIES)]
-    assert max(shared) <= CHUNK_MAX_ROWS < passes.ALONE_ROWS

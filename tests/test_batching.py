@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -85,37 +84,6 @@ def test_a_request_that_fails_fails_alone() -> None:
     assert isinstance(results[2], ValueError) and str(results[2]) == "bad argument"
     # the batch failed as a whole, then ran a request at a time
     assert run.batches == [["a"], ["b", "bad", "c"], ["b"], ["bad"], ["c"]]
-
-
-def test_idle_work_runs_between_requests_a_step_at_a_time() -> None:
-    """`Scheduler(idle=...)`: once the queue is empty the execution thread takes idle steps
-    while they answer that work is left; a request arriving meanwhile runs after the step in
-    hand, and a failing step stops the idle work, not the requests."""
-    steps: list[str] = []
-    left = [3]
-
-    def idle() -> bool:
-        steps.append(threading.current_thread().name)
-        if left[0] == 99:
-            raise RuntimeError("broken")
-        left[0] -= 1
-        time.sleep(0.02)
-        return left[0] > 0
-
-    async def scenario() -> list:
-        scheduler = Scheduler(idle=idle)
-        first = await scheduler.execute(Ticket(), str.upper, "a")
-        while len(steps) < 3:
-            await asyncio.sleep(0.01)
-        left[0] = 99  # the next step fails; requests still run
-        second = await scheduler.execute(Ticket(), str.upper, "b")
-        await asyncio.sleep(0.1)
-        third = await scheduler.execute(Ticket(), str.upper, "c")
-        await scheduler.close()
-        return [first, second, third]
-
-    assert asyncio.run(scenario()) == ["A", "B", "C"]
-    assert len(steps) == 5 and all(name.startswith("omnijev-execute") for name in steps)
 
 
 def test_a_request_whose_client_left_is_dropped_before_it_runs() -> None:
@@ -318,17 +286,15 @@ def test_concurrent_requests_answer_as_each_alone_over_http(executor) -> None:
 # -- the plan of a merged batch -----------------------------------------------------------------
 
 
-def rows_of(work, fit: bool) -> dict:
+def rows_of(work) -> dict:
     """Each question's rows in a plan: (part, pass shape, tokens, positions, length) per row,
-    and the prefix each reads; question rows' sources too. Fitted passes have the rows they
-    hold, so there only a row's width counts (the engine keeps a row's bytes whatever the row
-    count: `Capabilities.rows_fit`)."""
+    and the prefix each reads; question rows' sources too."""
     made: dict = {}
 
     def add(rows, members, part: str) -> None:
         for row, member in enumerate(members):
             qi = member if part == "question" else member[0]
-            shape, length = rows.shape[1 if fit else 0 :], int(rows.lengths[row])
+            shape, length = rows.shape, int(rows.lengths[row])
             seen = (part, shape, rows.input_ids[row].tobytes(), rows.positions[:, row].tobytes())
             made.setdefault(qi, []).append((*seen, length))
             made.setdefault(("prefix", qi), set()).add(int(rows.prefix_rows[row]))
@@ -339,14 +305,10 @@ def rows_of(work, fit: bool) -> dict:
         add(qp.rows, qp.members, "question")
     for op in work.options:
         add(op.rows, op.members, "option")
-    for jp in work.joint:
-        add(jp.question.rows, jp.question.members, "question")
-        add(jp.options.rows, jp.options.members, "option")
     return made
 
 
-@pytest.mark.parametrize("fit,joint", [(False, False), (True, True)])
-def test_a_merged_plan_gives_each_question_its_rows_alone(executor, fit, joint) -> None:
+def test_a_merged_plan_gives_each_question_its_rows_alone(executor) -> None:
     from runtime.batch import merged
     from runtime.passes import QUESTION_ROWS, plan
     from runtime.strict_json import parse_body
@@ -359,14 +321,12 @@ def test_a_merged_plan_gives_each_question_its_rows_alone(executor, fit, joint) 
     request, firsts = merged(batch)
     assert request.owners == (0,) * 1 + (1,) * 3 + (0,) * 12
     assert len(firsts) == 2 and firsts[0] is batch[0] and firsts[1] is batch[1]
-    together = rows_of(plan(request, QUESTION_ROWS, fit, joint), fit)
+    together = rows_of(plan(request, QUESTION_ROWS))
     at = 0
     for prepared in batch:
-        alone = rows_of(plan(prepared, QUESTION_ROWS, fit, joint), fit)
+        alone = rows_of(plan(prepared, QUESTION_ROWS))
         for qi in range(len(prepared.layouts)):
             owner = request.owners[at + qi]
-            # in joint plans a text runs again beside each pass of its options (runtime.passes.
-            # plan_joint), and options that share passes with others may be cut in more of them
             assert sorted(set(together[at + qi])) == sorted(set(alone[qi]))
             assert together[("prefix", at + qi)] == together[("src", at + qi)] == {owner}
         at += len(prepared.layouts)

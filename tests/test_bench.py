@@ -172,6 +172,7 @@ def test_a_sizes_record_is_planned_again_and_its_times_fitted(executor):
     times fitted on passes and slots; a record of other requests is refused."""
     from bench import traffic
     from bench.sizes import FIT_TERMS, UNSEEN, replanned, table
+    from runtime.packing import PACK_SIZES
 
     rows = []
     for size in UNSEEN[:5]:
@@ -182,7 +183,7 @@ def test_a_sizes_record_is_planned_again_and_its_times_fitted(executor):
         )  # fmt: skip
     for mine, theirs in zip(rows, replanned(executor, {"rows": rows}, 0, 2)["rows"], strict=True):
         plan = theirs["plan"]
-        assert plan["tokens"] + plan["padding"] + plan["filler"] == plan["slots"]
+        assert 0 < plan["tokens"] <= plan["slots"] and set(plan["sizes"]) <= set(PACK_SIZES)
         mine["warm_ms"] = [10.0 + 4.0 * plan["passes"] + 3.0 * plan["slots"] / 1e3]
     record = replanned(executor, {"rows": rows}, 0, 2)
     # times that follow the plans exactly are fitted exactly
@@ -193,39 +194,26 @@ def test_a_sizes_record_is_planned_again_and_its_times_fitted(executor):
         replanned(executor, {"rows": rows}, 0, 3)
 
 
-def test_the_plan_statistics_count_slots_keys_and_cache_misses(executor):
-    """`bench.gpu plans`: each suite request's passes fill their slots at most, and a graph
-    cache's misses are its distinct keys at least, more where the stream outgrows it."""
-    from bench.plans import misses, plans, table
+def test_the_plan_statistics_count_passes_filled_slots_and_packed_sizes(executor):
+    """`bench.gpu plans`: each suite request's packed passes fill their slots at most, every
+    pass is of a PACK_SIZES size, and the summary adds them up."""
+    from bench.plans import plans, table
+    from runtime.packing import PACK_SIZES
 
     record = plans(executor, 0, 12)
-    assert len(record["requests"]) == 12
-    for row in record["requests"]:
-        assert 0 < row["tokens"] <= row["slots"] and row["passes"] >= 1
-        assert row["tokens"] + row["padding"] + row["filler"] == row["slots"]
-        assert 0 <= row["repeated"] <= row["tokens"]
-    for cache in record["caches"].values():
-        assert cache["distinct"] <= cache["misses"] <= cache["runs"]
-    assert record["caches"]["image"]["distinct"] == 10  # the suite's sizes, each once a block
-    assert misses([(1,), (2,), (1,), (3,), (1,), (2,)], 2) == 4
-    assert misses([(1,), (2,), (1,), (3,), (1,), (2,)], 3) == 3
-    assert "| joint lane 0 |" in table(record)
-    unbuilt = record["joint_unbuilt"]
-    assert 0 <= unbuilt["unbuilt"] <= unbuilt["passes"]
-
-
-def test_a_joint_pass_has_a_bucket_where_the_runner_finds_one():
-    """`bench.plans.has_bucket` mirrors `PassRunner.run_joint`: a pass runs in its own built
-    shape or in a built larger one of its lengths, never in one of other lengths or beyond its
-    family's rows."""
-    from bench.plans import has_bucket
-
-    mine = ((4, 16), (8, 8))
-    assert has_bucket(mine, {mine})
-    assert has_bucket(mine, {((16, 16), (32, 8))}) and has_bucket(mine, {((4, 16), (16, 8))})
-    assert not has_bucket(mine, {((2, 16), (32, 8))})  # fewer question rows
-    assert not has_bucket(mine, {((16, 32), (32, 8))})  # other text length
-    assert not has_bucket(mine, {((4, 16), (64, 8))})  # past the small family's 32 rows
+    rows = record["requests"]
+    assert len(rows) == 12
+    for row in rows:
+        assert 0 < row["tokens"] <= row["slots"] == sum(row["sizes"])
+        assert row["passes"] == len(row["sizes"]) >= 1 and set(row["sizes"]) <= set(PACK_SIZES)
+    summary = record["summary"]
+    assert summary["passes_max"] == max(r["passes"] for r in rows)
+    assert 0 < summary["filled"] <= 1
+    assert summary["filled"] == sum(r["tokens"] for r in rows) / sum(r["slots"] for r in rows)
+    assert sum(summary["sizes"].values()) == sum(r["passes"] for r in rows)
+    twelve = plans(executor, 0, 2, questions=12)["summary"]
+    assert twelve["requests_12_questions"] == 2 and 0 < twelve["filled_12_questions"] <= 1
+    assert "| packed size | passes |" in table(record)
 
 
 def test_the_servers_cuda_memory_is_read_from_its_metrics():

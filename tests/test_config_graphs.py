@@ -51,8 +51,8 @@ def test_the_servers_settings_are_read_here():
 
 
 def test_every_backend_declares_what_the_executor_uses():
-    """The executor's optional uses of a backend are on the protocol: the portable engines
-    answer that they have no lanes, lend no buffers and keep fixed rows."""
+    """The executor's uses of a backend are on the protocol, and the portable engines declare
+    the default capabilities: rectangle passes, not packed ones."""
     from runtime.backends import Backend, Capabilities
     from runtime.backends.base import Portable
     from runtime.backends.compiled import TorchBackend
@@ -60,14 +60,10 @@ def test_every_backend_declares_what_the_executor_uses():
     from runtime.backends.trt import TensorRTBackend
 
     for kind in (OrtBackend, TensorRTBackend, TorchBackend):
-        for name in ("lane_stream", "state_buffer", "run", "has_graph", "prepare", "settle"):
+        for name in ("run", "has_graph", "input_dtypes", "prepare", "settle", "stats"):
             assert callable(getattr(kind, name)), (kind, name)
     portable = Portable()
-    assert portable.capabilities == Capabilities() and portable.capabilities.lanes == 1
-    assert portable.lane_stream(1) is None
-    assert portable.state_buffer("src_rec.0", (1,), torch.float32) is None
-    with pytest.raises(ValueError, match="lm_joint has no lane 1"):
-        portable.check_lane("lm_joint", 1)
+    assert portable.capabilities == Capabilities() and not portable.capabilities.packed
     assert "capabilities" in Backend.__annotations__
 
 

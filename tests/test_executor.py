@@ -263,7 +263,7 @@ def test_batched_questions_answer_alike_on_the_cpu(engines, executor):
     one = json.dumps(without_latency(executor.answer(body)))
     config = RuntimeConfig(backend="onnxruntime", question_batch=2)
     fewer = load_engine(str(engines[0]), str(engines[1]), config, backend=executor.backend)
-    assert fewer.pass_shape() == (2, False)
+    assert fewer.pass_shape() == (2,)
     assert json.dumps(without_latency(fewer.answer(body))) == one
 
 
@@ -296,12 +296,12 @@ def test_the_pass_plan_is_made_while_preparing(executor):
     obj = json.loads(request_body(pattern_png(320, 224), speed_bench_questions(3), "image/png"))
     prepared = executor.prepare(obj)
     shape, work = prepared.planned
-    rows, fit = shape
-    assert shape == (executor.config.question_batch, executor.pass_shape()[1])
-    assert work.prefix.input_ids.tolist() == plan(prepared, *shape).prefix.input_ids.tolist()
+    (rows,) = shape
+    assert shape == executor.pass_shape() == (executor.config.question_batch,)
+    assert work.prefix.input_ids.tolist() == plan(prepared, rows).prefix.input_ids.tolist()
     expected = executor.execute(prepared)
     assert executor.work_of(prepared) is work  # the prepared plan serves
-    stale = dataclasses.replace(prepared, planned=((rows + 1, fit), work))
+    stale = dataclasses.replace(prepared, planned=((rows + 1,), work))
     again = executor.work_of(stale)  # a plan for other question rows is made again
     assert again is not work and again.questions[0].rows.shape == work.questions[0].rows.shape
     assert without_latency(executor.execute(stale)) == without_latency(expected)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from runtime.errors import ExecutionError
-from runtime.finish import Calibration, answer_question, answer_questions, finish_early
+from runtime.finish import Calibration, answer_question, answer_questions
 from runtime.heads import (
     HEAD_LINEARS,
     Heads,
@@ -104,28 +104,9 @@ def questions_of(items: list[tuple[str, QuestionReadout]]) -> list[Question]:
     ]
 
 
-def test_answers_made_early_are_the_answers_made_at_the_end():
-    """`finish_early` on the first questions (as the executor runs it while later passes
-    execute), then `answer_questions` over all: the answers of `answer_questions` alone, the
-    latency fields last, and the early questions' heads not run again."""
-    heads, rng = random_heads(64), np.random.default_rng(3)
-    items = mixed(rng, 64, 7)
-    questions, readouts = questions_of(items), [r for _, r in items]
-    calibration = Calibration.v11()
-    plain = answer_questions(heads, calibration, questions, readouts, 0.25, 0.5)
-    finish_early(heads, calibration, questions[:4], readouts[:4])
-    assert all(r.mu is not None and r.fields is not None for r in readouts[:4])
-    assert all(r.mu is None and r.fields is None for r in readouts[4:])
-    for r in readouts[:4]:  # what answer_questions takes from an early readout: its fields
-        r.u = np.full_like(r.u, np.nan)
-    early = answer_questions(heads, calibration, questions, readouts, 0.25, 0.5)
-    assert early == plain
-    assert all(list(answer)[-2:] == ["latency_s", "latency_total_s"] for answer in early)
-
-
-def test_a_refusal_made_early_is_raised_at_the_end_in_order():
-    """A group the heads refuse keeps nothing early; `answer_questions` raises its refusal
-    then, before a later question's, as without early answers."""
+def test_a_refusal_is_raised_in_question_order():
+    """`answer_questions` raises an earlier question's output refusal before a later
+    question's input refusal, as `answer_question` of that question alone."""
     heads, rng = random_heads(64), np.random.default_rng(4)
     items = mixed(rng, 64, 5)
     first = items[1][1]
@@ -133,11 +114,9 @@ def test_a_refusal_made_early_is_raised_at_the_end_in_order():
     items[1] = ("choice", QuestionReadout(first.zq, huge, first.picked, first.first))
     questions, readouts = questions_of(items), [r for _, r in items]
     readouts[3].zq = np.full_like(readouts[3].zq, np.nan)  # a later question's input refusal
-    finish_early(heads, Calibration.v11(), questions[:3], readouts[:3])
-    assert all(r.mu is None and r.fields is None for r in readouts)
     with pytest.raises(ExecutionError, match="invalid head output"):
         answer_questions(heads, Calibration.v11(), questions, readouts, 0.25, 0.5)
-    with pytest.raises(ExecutionError, match="invalid head output"):  # as without early ones
+    with pytest.raises(ExecutionError, match="invalid head output"):  # as alone
         answer_question(heads, Calibration.v11(), questions[1], readouts[1], 0.25, 0.5)
 
 

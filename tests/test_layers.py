@@ -42,7 +42,7 @@ RUNTIME_LAYERS = (
                        "runtime.contract", "runtime.tokenizer", "runtime.processing",
                        "runtime.warm_up", "runtime.explain")),
     ("model", ("runtime.model",)),
-    ("passes", ("runtime.passes", "runtime.batch")),
+    ("passes", ("runtime.passes", "runtime.packing", "runtime.batch")),
     ("backends", ("runtime.backends",)),
     ("heads and finishing", ("runtime.heads", "runtime.finish")),
     ("execution stages", ("runtime.run_passes", "runtime.image_prefix", "runtime.readouts")),

@@ -1,7 +1,7 @@
 """Several image prefixes in one pass (`prefix_rows`): a row's bytes are those it gets in the
-same-shaped pass holding its own prefix alone, through ONNX Runtime and the torch backend on the
-CPU (tiny checkpoint, float32), the attention forms the torch backend runs, and the Triton kernel
-in Triton's interpreter (chunked, one program a row, several rows a program)."""
+same-shaped pass holding its own prefix alone, through ONNX Runtime on the CPU (tiny checkpoint,
+float32), the attention forms, and the Triton kernel in Triton's interpreter (chunked, one
+program a row, several rows a program)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.passes import JointPass, OptionPass, Pass, QuestionPass, empty_pass, fill_row
+from runtime.passes import OptionPass, Pass, QuestionPass, empty_pass, fill_row
 from runtime.run_passes import Dims, PassRunner, State, slice_pass, stack_prefixes
 from tests.engine_fixtures import tiny_engines
 from tests.interpreted import run_interpreted
@@ -31,7 +31,7 @@ def runner_of(backend, export) -> PassRunner:
     from runtime.model.weights import read_config
 
     config = read_config(export)
-    return PassRunner(backend, Dims.from_config(config), config["image_token_id"], 4)
+    return PassRunner(backend, Dims.from_config(config), config["image_token_id"])
 
 
 def token_pass(lengths: list[int], width: int, starts: list[int], seed: int) -> Pass:
@@ -56,10 +56,10 @@ def prefixes(runner: PassRunner) -> list[tuple[State, State]]:
     return made
 
 
-def chain(runner: PassRunner, made, picked: list[int], joint: bool) -> list[dict]:
+def chain(runner: PassRunner, made, picked: list[int]) -> list[dict]:
     """A question pass whose rows continue `made[QUESTION_ROWS[n]]`'s recurrent states and
-    read the prefixes `picked` (stacked) by index, then an option pass continuing it (a joint
-    pass where `joint`): every output, each with a row's bytes at index n."""
+    read the prefixes `picked` (stacked) by index, then an option pass continuing it: every
+    output, each with a row's bytes at index n."""
     where = {r: k for k, r in enumerate(picked)}
     prefix = stack_prefixes([made[r][0] for r in picked])
     after = stack_prefixes([after for _, after in made])  # S = 2 in every run
@@ -71,24 +71,19 @@ def chain(runner: PassRunner, made, picked: list[int], joint: bool) -> list[dict
     options = token_pass([3, 2, 4, 1, 2, 3], 4, option_starts, seed=8)
     options.src = np.array(OPTION_SOURCES, dtype=np.int64)
     options.prefix_rows = question.prefix_rows[options.src]
-    if joint:
-        qp = QuestionPass(question, [0, 1, 2, 3], {}, {})
-        op = OptionPass(options, 0, [], {}, {})
-        out_q, out_o = runner.run_joint(JointPass(qp, op), prefix, after)
-        return [out_q, out_o]
     out_q, state = runner.run_question(QuestionPass(question, [0, 1, 2, 3], {}, {}), prefix, after)
     out_q = {name: t.clone() for name, t in out_q.items()}  # lent buffers: the next run's
     return [out_q, runner.run_options(OptionPass(options, 0, [], {}, {}), prefix, state)]
 
 
-def assert_rows_exact(runner: PassRunner, joint: bool = False) -> None:
+def assert_rows_exact(runner: PassRunner) -> None:
     """Each row of the pass reading both prefixes has the bytes it has where the pass holds
     its own prefix alone (R = 1), at every output of both passes."""
     made = prefixes(runner)
-    both = chain(runner, made, [0, 1], joint)
+    both = chain(runner, made, [0, 1])
     rows_of = [np.array(QUESTION_ROWS), np.array(QUESTION_ROWS)[OPTION_SOURCES]]
     for r in (0, 1):
-        alone = chain(runner, made, [r], joint)
+        alone = chain(runner, made, [r])
         for part, (got, want) in enumerate(zip(both, alone, strict=True)):
             mine = torch.from_numpy(np.flatnonzero(rows_of[part] == r))
             for name, tensor in want.items():
@@ -105,23 +100,6 @@ def test_onnx_runtime_rows_read_their_own_prefix(engines):
     backend = OrtBackend(engines[1])
     assert backend.capabilities.prefixes > 1 and "prefix_rows" in backend.input_dtypes("lm_rows")
     assert_rows_exact(runner_of(backend, engines[0]))
-
-
-@pytest.fixture(scope="module")
-def torch_backend(engines):
-    from runtime.backends.compiled import TorchBackend
-    from runtime.config import RuntimeConfig
-
-    config = RuntimeConfig(backend="torch", device="cpu")
-    return TorchBackend(engines[0], engines[1], config)
-
-
-@pytest.mark.parametrize("joint", [False, True])
-def test_torch_rows_read_their_own_prefix(engines, torch_backend, joint):
-    """Fitted, folded attention on the CPU; `lm_joint` with its option part's prefix rows."""
-    assert torch_backend.rows_fit and torch_backend.capabilities.prefixes > 1
-    assert torch_backend.input_dtypes("lm_joint")["opt.prefix_rows"] == torch.int64
-    assert_rows_exact(runner_of(torch_backend, engines[0]), joint)
 
 
 def attention_inputs(b: int, r: int, p: int, own: int, seed: int = 0):
@@ -142,22 +120,18 @@ def attention_inputs(b: int, r: int, p: int, own: int, seed: int = 0):
     return q, shared_k, shared_v, rows, mask
 
 
-@pytest.mark.parametrize("min_tokens", [0, 40])
 @pytest.mark.parametrize("form", ["grouped", "folded"])
-def test_attention_forms_give_a_row_its_bytes_with_its_prefix_alone(form, min_tokens):
+def test_attention_forms_give_a_row_its_bytes_with_its_prefix_alone(form):
     from runtime.model.language import folded_attention, grouped_attention
 
-    if form == "grouped" and min_tokens:
-        pytest.skip("grouped_attention has no fitted products")
     attend = grouped_attention if form == "grouped" else folded_attention
-    extra = {"min_tokens": min_tokens} if min_tokens else {}
     b, p, own = 5, 7, 9
     q, shared_k, shared_v, rows, mask = attention_inputs(b, 3, p, own)
     picks = torch.tensor([2, 0, 2, 1, 0])
-    got = attend(q, shared_k, shared_v, picks, *rows, mask, 0.3, **extra)
+    got = attend(q, shared_k, shared_v, picks, *rows, mask, 0.3)
     for r in range(3):
         one = (shared_k[r : r + 1], shared_v[r : r + 1], torch.zeros(b, dtype=torch.int64))
-        alone = attend(q, *one, *rows, mask, 0.3, **extra)
+        alone = attend(q, *one, *rows, mask, 0.3)
         mine = picks == r
         assert torch.equal(got[mine], alone[mine]), r
         assert not torch.equal(got[~mine], alone[~mine])

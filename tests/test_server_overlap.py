@@ -44,11 +44,8 @@ class SplitEngine(RealishEngine):
     def check_batches(self) -> bool:
         return False
 
-    def note_buckets(self) -> int:
-        return 0  # nothing to build ahead
-
-    def build_pending(self) -> bool:
-        return False
+    def build_shapes(self) -> int:
+        return 0  # nothing to build before ready
 
     def readouts_batch(self, batch: list[Prepared]) -> list[list[int]]:
         (prepared,) = batch
