@@ -24,7 +24,7 @@ VIDEO_MIMES = {  # data-URL prefix -> (MIME type, PyAV demuxer)
     "data:video/mp4;base64": ("video/mp4", "mp4"),
     "data:video/webm;base64": ("video/webm", "webm"),
 }
-CODECS = ("h264", "vp8", "vp9")  # the decoders a file's video stream may need
+CODECS = {"video/mp4": ("h264",), "video/webm": ("vp8", "vp9")}  # a container's video codecs
 MAX_VIDEO_BYTES = images.MAX_IMAGE_BYTES  # 8 MiB decoded, as an image (the body's 12 MiB holds it)
 MAX_ENCODED_CHARS = images.MAX_ENCODED_CHARS
 # A container's streams (video, audio, subtitles) before any is read: a clip has a few; thousands
@@ -181,6 +181,15 @@ def seconds(value: object, name: str) -> int | float:
     return value
 
 
+def accepted() -> dict:
+    """What `state.video` takes, as `GET /v1/models` lists it."""
+    return {
+        "types": {mime: list(codecs) for mime, codecs in CODECS.items()},
+        "max_frames": MAX_FRAMES,
+        "max_seconds": MAX_DURATION,
+    }
+
+
 # -- frames ------------------------------------------------------------------------------------
 
 
@@ -216,9 +225,8 @@ def decode_file(video: VideoFile) -> VideoFrames:
     import av
 
     started = time.monotonic()
-    fmt = VIDEO_MIMES[next(p for p, v in VIDEO_MIMES.items() if v[0] == video.mime)][1]
     try:
-        times, base, size = stream_packets(av, video.data, fmt)
+        times, base, size = stream_packets(av, video)
         if not times:
             raise ContractError("video has no frames")
         order = sorted(times)
@@ -234,7 +242,7 @@ def decode_file(video: VideoFile) -> VideoFrames:
             raise ContractError(
                 f"video must decode at most {MAX_DECODED_PIXELS} pixels, got {decoded}"
             )
-        frames = decode_picked(av, video.data, fmt, set(picked), started)
+        frames = decode_picked(av, video, set(picked), started)
     except ContractError:
         raise
     except Exception:  # PyAV's errors of a malformed container or stream
@@ -246,9 +254,11 @@ def decode_file(video: VideoFile) -> VideoFrames:
     return VideoFrames(tuple(kept), stamps, duration)
 
 
-def open_container(av, data: bytes, fmt: str):
-    """The container, its one video stream and its size checked before any frame is decoded."""
-    container = av.open(io.BytesIO(data), format=fmt, options=DEMUX_OPTIONS)
+def open_container(av, video: VideoFile):
+    """The container, its first video stream, its codec and frame size checked before any frame
+    is decoded."""
+    fmt = {mime: demuxer for mime, demuxer in VIDEO_MIMES.values()}[video.mime]
+    container = av.open(io.BytesIO(video.data), format=fmt, options=DEMUX_OPTIONS)
     try:
         streams = len(container.streams)
         if streams > MAX_STREAMS:
@@ -256,9 +266,10 @@ def open_container(av, data: bytes, fmt: str):
         if not container.streams.video:
             raise ContractError("video has no video stream")
         stream = container.streams.video[0]
-        codec = stream.codec_context.name
-        if codec not in CODECS:
-            raise ContractError(f"video codec must be h264, vp8 or vp9, got {codec}")
+        codec, allowed = stream.codec_context.name, CODECS[video.mime]
+        if codec not in allowed:
+            names = " or ".join(allowed)
+            raise ContractError(f"{video.mime} video codec must be {names}, got {codec}")
         check_frame_size(stream.codec_context.width, stream.codec_context.height)
     except BaseException:
         container.close()
@@ -279,10 +290,10 @@ def check_frame_size(width: int, height: int) -> None:
         )
 
 
-def stream_packets(av, data: bytes, fmt: str) -> tuple[list[tuple[int, int]], object, tuple]:
+def stream_packets(av, video: VideoFile) -> tuple[list[tuple[int, int]], object, tuple]:
     """(pts, duration) of every frame of the video stream, its time base and frame size, from
     the packets alone (nothing decoded)."""
-    container, stream = open_container(av, data, fmt)
+    container, stream = open_container(av, video)
     with container:
         times = []
         for packet in container.demux(stream):
@@ -297,9 +308,9 @@ def stream_packets(av, data: bytes, fmt: str) -> tuple[list[tuple[int, int]], ob
         return times, stream.time_base, size
 
 
-def decode_picked(av, data: bytes, fmt: str, picked: set[int], started: float) -> dict:
+def decode_picked(av, video: VideoFile, picked: set[int], started: float) -> dict:
     """The stream decoded frame by frame; the frames whose pts are `picked`, as RGB."""
-    container, stream = open_container(av, data, fmt)
+    container, stream = open_container(av, video)
     stream.thread_count = DECODER_THREADS
     kept: dict[int, np.ndarray] = {}
     with container:
