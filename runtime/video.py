@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import pickle
+import resource
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from runtime import images
 from runtime.errors import ContractError
+from runtime.video_tracks import mp4_tracks, webm_tracks
 
 # The reference's mosaic holds at most 16 frames, and a file is sampled to as many.
 MAX_FRAMES = 16
@@ -37,13 +44,22 @@ MAX_STREAM_FRAMES = 30 * MAX_DURATION
 MAX_FRAME_PIXELS = 3840 * 2160
 MAX_DECODED_PIXELS = 1_000_000_000
 DECODE_SECONDS = 10.0  # the whole decode, checked between frames
+# a file decodes in a Python process of its own (`decoder_main`, ~0.2 s to start): a fork of the
+# worker would copy its threads' locks, and a forkserver that imported the worker's main module
+# (torch) takes ~1 s a fork
+DECODER_SLACK = 2.0  # the process's start and the frames' way back, past DECODE_SECONDS
+# the decoder's address space: 16 frames of 4096×2048 RGB, FFmpeg's reference frames at the
+# frame limit, and Python, NumPy and PyAV themselves, with room to spare
+DECODER_MEMORY = 4 * 1024**3
+ROOT = Path(__file__).resolve().parents[1]  # where `runtime` is imported from in the decoder
 DECODER_THREADS = 1  # a request decodes on its preparation thread, beside another request's
 MOSAIC_FIELDS = ("n_frames", "cols", "tile", "timestamps", "duration")
 MP4_MAGIC_AT, MP4_MAGIC = 4, b"ftyp"  # ISO BMFF's first box
 WEBM_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header
 INVALID_VIDEO = "invalid video"
-# demuxer options: no network protocols (the bytes are all there) and a bounded probe
-DEMUX_OPTIONS = {"probesize": str(1 << 20), "analyzeduration": "0"}
+# MP4 and WebM name every stream's codec and size in their headers: the demuxer's probe of the
+# packets is kept to its least, which opens a thousand streams in 0.1 s rather than 0.6
+DEMUX_OPTIONS = {"probesize": "32", "analyzeduration": "0", "fpsprobesize": "0"}
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,9 @@ def video_file(url: str) -> VideoFile:
     mp4 = data[MP4_MAGIC_AT : MP4_MAGIC_AT + len(MP4_MAGIC)] == MP4_MAGIC
     if not (mp4 if mime == "video/mp4" else data.startswith(WEBM_MAGIC)):
         raise ContractError("video format does not match its MIME type")
+    tracks = mp4_tracks(data) if mp4 else webm_tracks(data)
+    if tracks > MAX_STREAMS:
+        raise ContractError(f"video must have at most {MAX_STREAMS} streams, got {tracks}")
     return VideoFile(mime, data)
 
 
@@ -220,6 +239,45 @@ def sample_indices(count: int, most: int = MAX_FRAMES) -> list[int]:
 
 
 def decode_file(video: VideoFile) -> VideoFrames:
+    """`decode_frames` in a Python process of its own, killed at its deadline: a container
+    FFmpeg chokes on, or a decode that hangs inside one call, costs that process, never the
+    worker, and the preparation slot is free again within DECODE_SECONDS and DECODER_SLACK."""
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "runtime.video"],
+            input=pickle.dumps((video.mime, video.data)),
+            capture_output=True,
+            timeout=DECODE_SECONDS + DECODER_SLACK,
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise ContractError(f"video must decode within {DECODE_SECONDS:g} s") from None
+    if done.returncode != 0 or not done.stdout:  # FFmpeg crashed, or the memory limit hit
+        raise ContractError(INVALID_VIDEO)
+    kind, value = pickle.loads(done.stdout)  # our own process's answer
+    if kind == "refused":
+        raise ContractError(value)
+    return value
+
+
+def decoder_main() -> None:
+    """`python -m runtime.video`: (MIME type, bytes) pickled on stdin, `decode_frames`'s frames
+    or its refusal's message pickled on stdout, within DECODER_MEMORY bytes of address space."""
+    resource.setrlimit(resource.RLIMIT_AS, (DECODER_MEMORY, DECODER_MEMORY))
+    mime, data = pickle.load(sys.stdin.buffer)
+    try:
+        result = ("frames", decode_frames(VideoFile(mime, data)))
+    except ContractError as error:
+        result = ("refused", str(error))
+    except Exception:  # PyAV's errors of a malformed container or stream
+        result = ("refused", INVALID_VIDEO)
+    pickle.dump(result, sys.stdout.buffer, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_frames(video: VideoFile) -> VideoFrames:
     """A file's frames: its packets read first (how many frames, which to keep, the length),
     every limit checked, then the stream decoded and the sampled frames kept."""
     import av
@@ -326,3 +384,9 @@ def decode_picked(av, video: VideoFile, picked: set[int], started: float) -> dic
             if len(kept) == len(picked):
                 break
     return kept
+
+
+if __name__ == "__main__":  # as runtime.video, so that what it pickles names this module
+    from runtime.video import decoder_main as run
+
+    run()
