@@ -66,6 +66,16 @@ class PreparedImage:
 
 
 @dataclass(frozen=True)
+class VideoFrames:
+    """Decoded frames, uint8 [H, W, 3] each, with their times in seconds and the clip's length
+    (runtime.video.video_frames)."""
+
+    frames: tuple[np.ndarray, ...]
+    timestamps: tuple[int | float, ...]
+    duration: int | float
+
+
+@dataclass(frozen=True)
 class PreparedVideo:
     """A video's frames, each prepared as an image (docs/model.md §8.2): one image input each,
     their placeholder runs in order in one prefix."""

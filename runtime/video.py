@@ -22,6 +22,7 @@ import numpy as np
 
 from runtime import images
 from runtime.errors import ContractError
+from runtime.types import VideoFrames
 from runtime.video_tracks import mp4_tracks, webm_tracks
 
 # The reference's mosaic holds at most 16 frames, and a file is sampled to as many.
@@ -62,8 +63,19 @@ INVALID_VIDEO = "invalid video"
 DEMUX_OPTIONS = {"probesize": "32", "analyzeduration": "0", "fpsprobesize": "0"}
 
 
+class VideoSource:
+    """A request's video as the contract leaves it; `prepare` makes the request's `Prepared`
+    (`runtime.processing.prepare` hands a video request here, which imports nothing of this)."""
+
+    def prepare(self, request, tokenizer, planner=None):
+        from runtime.video_prepare import prepare_video
+
+        started = time.perf_counter()
+        return prepare_video(request, tokenizer, video_frames(self), planner, started)
+
+
 @dataclass(frozen=True)
-class VideoFile:
+class VideoFile(VideoSource):
     """A `state.video` data URL: its MIME type and bytes, magic bytes checked."""
 
     mime: str
@@ -71,7 +83,7 @@ class VideoFile:
 
 
 @dataclass(frozen=True)
-class VideoMosaic:
+class VideoMosaic(VideoSource):
     """The reference's form: `images[0]` a mosaic of `n_frames` tiles, `cols` a row, row-major."""
 
     mime: str  # the mosaic image's
@@ -80,15 +92,6 @@ class VideoMosaic:
     n_frames: int
     cols: int
     tile: tuple[int, int]  # (width, height)
-    timestamps: tuple[int | float, ...]
-    duration: int | float
-
-
-@dataclass(frozen=True)
-class VideoFrames:
-    """Decoded frames, uint8 [H, W, 3] each, with their times in seconds and the clip's length."""
-
-    frames: tuple[np.ndarray, ...]
     timestamps: tuple[int | float, ...]
     duration: int | float
 

@@ -26,7 +26,15 @@ from runtime.processing import (
     image_block,
     lay_out,
 )
-from runtime.types import Prepared, PreparedImage, PreparedVideo, Question, QuestionLayout, Request
+from runtime.types import (
+    Prepared,
+    PreparedImage,
+    PreparedVideo,
+    Question,
+    QuestionLayout,
+    Request,
+    VideoFrames,
+)
 
 # docs/model.md §8.2: the user message is this text, then `t={ts}s:` and an image a frame, then
 # the instructions; the chat template writes the parts one after another, an image as its markup.
@@ -37,14 +45,16 @@ USER_HEAD = "<|im_start|>user\n"
 
 
 def prepare_video(
-    request: Request, tokenizer: Tokenizer, planner: Callable[[Prepared], object] | None = None
+    request: Request,
+    tokenizer: Tokenizer,
+    decoded: VideoFrames,
+    planner: Callable[[Prepared], object] | None = None,
+    started: float | None = None,
 ) -> Prepared:
-    """Decodes the video's frames, prepares each as an image, tokenizes every question and
-    lays out its rows over one prefix that holds every frame."""
-    from runtime.video import video_frames
-
-    started = time.perf_counter()
-    decoded = video_frames(request.video)
+    """Prepares each of the video's decoded frames (`runtime.video.video_frames`) as an image,
+    tokenizes every question and lays out its rows over one prefix that holds every frame;
+    `started`: when the preparation began (the decode's start), for `prepare_seconds`."""
+    started = time.perf_counter() if started is None else started
     video = PreparedVideo(
         frames=tuple(frame_image(rgb) for rgb in decoded.frames),
         timestamps=decoded.timestamps,
