@@ -58,6 +58,7 @@ MOSAIC_FIELDS = ("n_frames", "cols", "tile", "timestamps", "duration")
 MP4_MAGIC_AT, MP4_MAGIC = 4, b"ftyp"  # ISO BMFF's first box
 WEBM_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header
 INVALID_VIDEO = "invalid video"
+NO_DECODER = "video is not supported here: PyAV is not installed"
 # MP4 and WebM name every stream's codec and size in their headers: the demuxer's probe of the
 # packets is kept to its least, which opens a thousand streams in 0.1 s rather than 0.6
 DEMUX_OPTIONS = {"probesize": "32", "analyzeduration": "0", "fpsprobesize": "0"}
@@ -260,7 +261,10 @@ def decode_file(video: VideoFile) -> VideoFrames:
         raise ContractError(f"video must decode within {DECODE_SECONDS:g} s") from None
     if done.returncode != 0 or not done.stdout:  # FFmpeg crashed, or the memory limit hit
         raise ContractError(INVALID_VIDEO)
-    kind, value = pickle.loads(done.stdout)  # our own process's answer
+    try:
+        kind, value = pickle.loads(done.stdout)  # our own process's answer
+    except Exception:  # cut short: the process died while it wrote
+        raise ContractError(INVALID_VIDEO) from None
     if kind == "refused":
         raise ContractError(value)
     return value
@@ -273,6 +277,8 @@ def decoder_main() -> None:
     mime, data = pickle.load(sys.stdin.buffer)
     try:
         result = ("frames", decode_frames(VideoFile(mime, data)))
+    except ImportError:  # a deployment without PyAV (pyproject.toml pins it)
+        result = ("refused", NO_DECODER)
     except ContractError as error:
         result = ("refused", str(error))
     except Exception:  # PyAV's errors of a malformed container or stream
