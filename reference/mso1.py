@@ -27,7 +27,7 @@ from runtime.constants import IMAGE_PAD_ID as IMAGE_PAD
 from runtime.constants import MODEL_ID as MODEL_NAME
 from runtime.constants import OPEN_ID as OPT_OPEN
 from runtime.errors import BodyError, ContractError, ExecutionError
-from runtime.types import Prepared, PreparedImage, QuestionReadout, Row
+from runtime.types import Prepared, PreparedImage, PreparedVideo, QuestionReadout, Row
 
 PAD_ID = 248044  # <|endoftext|>, the tokenizer's pad token, which MSO1 pads rows with (§2.1)
 CHUNK_ENV = "MSO_BRANCH_CHUNK"  # rows per branch forward; MSO1's default is 64 (docs/model.md §8.4)
@@ -361,12 +361,17 @@ class Reference:
 
     # -- model passes ---------------------------------------------------------------------------
 
-    def _image_inputs(self, image: PreparedImage) -> dict:
+    def _image_inputs(self, image: PreparedImage | PreparedVideo) -> dict:
+        """The processor's `pixel_values` and `image_grid_thw`: a video's frames are image
+        inputs one after another, their patches concatenated and one grid row each, as
+        `proc(text, images=frames)` gives them (docs/model.md §8.2)."""
+        frames = image.frames if isinstance(image, PreparedVideo) else (image,)
+        pixels = np.concatenate([frame.pixel_values for frame in frames])
         return {
-            "pixel_values": torch.from_numpy(np.ascontiguousarray(image.pixel_values)).to(
-                self.device
+            "pixel_values": torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device),
+            "image_grid_thw": torch.tensor(
+                [list(frame.grid_thw) for frame in frames], device=self.device
             ),
-            "image_grid_thw": torch.tensor([list(image.grid_thw)], device=self.device),
         }
 
     def _positions(self, ids: torch.Tensor, image: dict) -> torch.Tensor:
@@ -377,7 +382,7 @@ class Reference:
         )
         return positions
 
-    def _prefix_pass(self, prefix: Sequence[int], image: PreparedImage):
+    def _prefix_pass(self, prefix: Sequence[int], image: PreparedImage | PreparedVideo):
         """The prefix once, with the image; returns its cache and the first row position p0."""
         ids = torch.tensor([list(prefix)], device=self.device)
         inputs = self._image_inputs(image)

@@ -38,6 +38,7 @@ from runtime.types import Question, Request
 
 MODELS = (MODEL_ID, "omnijev", "omnijev-4b-v1.1")  # §2.2: the id and contract.rs' ALIASES
 TOP_LEVEL_FIELDS = ("model", "state", "questions")  # §2.2
+STATE_FIELDS = ("images", "video")  # §2.2; a video is this runtime's (§2.10)
 MAX_QUESTIONS = 64  # §2.2
 MAX_ID_CHARS = 256  # §2.2, in code points
 MAX_ROWS = 1024  # §2.2: options over all questions
@@ -115,7 +116,7 @@ OTHER_GRAPHEME_EXTEND = (
 def compile_request(obj: dict, image: tuple | None = None) -> Request:
     """Checks a parsed request body (§2.2) and returns its image and compiled questions;
     `image` is `compile_image(obj)` where the caller has it already."""
-    mime, data, opened = compile_image(obj) if image is None else image
+    image = compile_image(obj) if image is None else image
     questions = obj.get("questions")
     if not isinstance(questions, dict):
         raise ContractError("questions must be an object")
@@ -131,12 +132,16 @@ def compile_request(obj: dict, image: tuple | None = None) -> Request:
             raise error.within(f"question {question_id}") from None
     if sum(len(question.keys) for question in compiled) > MAX_ROWS:
         raise ContractError(f"request exceeds {MAX_ROWS} options in all")
+    if not isinstance(image, tuple):  # a video (runtime.video), prepared by runtime.video_prepare
+        return Request(image_mime="", image_bytes=b"", questions=tuple(compiled), video=image)
+    mime, data, opened = image
     return Request(image_mime=mime, image_bytes=data, questions=tuple(compiled), opened=opened)
 
 
-def compile_image(obj: dict) -> tuple[str, bytes, images.OpenedImage]:
+def compile_image(obj: dict) -> tuple[str, bytes, images.OpenedImage] | object:
     """The checks of a parsed request body up to its image, in `compile_request`'s order, and
-    the image as `image_of_state` gives it: the decode can start before the questions' checks."""
+    the image as `image_of_state` gives it: the decode can start before the questions' checks.
+    A state with a video gives `runtime.video.video_of_state`'s video instead."""
     if any(key not in TOP_LEVEL_FIELDS for key in obj):
         raise ContractError("request fields must be model, state and questions")
     model = obj.get("model")
@@ -147,13 +152,17 @@ def compile_image(obj: dict) -> tuple[str, bytes, images.OpenedImage]:
     return image_of_state(obj["state"])
 
 
-def image_of_state(state: object) -> tuple[str, bytes, images.OpenedImage]:
+def image_of_state(state: object) -> tuple[str, bytes, images.OpenedImage] | object:
     """The `state` object's one image as (MIME type, bytes, Pillow's open header), its data URL
     checked (§2.2-2.3)."""
     if not isinstance(state, dict):
         raise ContractError("state must be an object with images")
-    if any(key != "images" for key in state):
-        raise ContractError("state supports images only")
+    if any(key not in STATE_FIELDS for key in state):
+        raise ContractError("state supports images and video only")
+    if "video" in state:
+        from runtime.video import video_of_state
+
+        return video_of_state(state)
     urls = state.get("images")
     if not isinstance(urls, list):
         raise ContractError("state.images must be an array")

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from runtime.errors import BodyError, ContractError
 from runtime.processing import IMAGE_PAD_ID, prepare
-from runtime.types import QuestionLayout, Row
+from runtime.types import PreparedImage, PreparedVideo, QuestionLayout, Row
 
 REFUSED_EXIT = 1  # a 400 or 422 refusal
 UNREADABLE_EXIT = 2  # the request file or the checkpoint's tokenizer could not be used
@@ -29,7 +29,7 @@ def sha256_hex(array: np.ndarray, dtype: str) -> str:
 
 
 def collapse_image_run(ids: tuple[int, ...]) -> list[int]:
-    """Token ids with the run of image pads written as one negative count, as the fixture does."""
+    """Token ids with each run of image pads written as one negative count, as the fixture does."""
     out: list[int] = []
     for token in ids:
         if token != IMAGE_PAD_ID:
@@ -74,14 +74,22 @@ def explain(body: bytes, tokenizer: Tokenizer) -> dict:
 
     prepared = prepare(compile_request(parse_body(body)), tokenizer)
     image = prepared.image
+    totals = {"prefix_length": prepared.prefix_length, "input_tokens": prepared.input_tokens}
+    if isinstance(image, PreparedVideo):  # each frame as an image, in order
+        frames = [image_fields(frame) for frame in image.frames]
+        seen = {"timestamps": list(image.timestamps), "duration": image.duration}
+        totals["video"] = {**seen, "frames": frames}
+    else:
+        totals.update(image_fields(image))
+    return {**totals, "questions": [question_fields(layout) for layout in prepared.layouts]}
+
+
+def image_fields(image: PreparedImage) -> dict:
     return {
-        "prefix_length": prepared.prefix_length,
-        "input_tokens": prepared.input_tokens,
         "image_size": [image.width, image.height],
         "image_grid_thw": list(image.grid_thw),
         "pixel_values_shape": list(image.pixel_values.shape),
         "pixel_values_sha256": sha256_hex(image.pixel_values, "<f4"),
-        "questions": [question_fields(layout) for layout in prepared.layouts],
     }
 
 

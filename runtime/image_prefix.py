@@ -15,7 +15,7 @@ from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
 from runtime.passes import MAX_IMAGE_TOKENS, PREFIX_STEP, Pass, bucket
 from runtime.run_passes import PassRunner, State, Stopwatch, padded_prefix, to_device
-from runtime.types import PreparedImage
+from runtime.types import PreparedImage, PreparedVideo
 
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
 # device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
@@ -68,27 +68,36 @@ class ImagePrefix:
             self.cache.put(key, states)
         return states
 
-    def vision(self, image: PreparedImage) -> torch.Tensor:
+    def vision(self, image: PreparedImage | PreparedVideo) -> torch.Tensor:
         """The image's rows for the prefix pass, zero rows up to the prefix's bucket: the pass
         takes image rows in order, so the extra rows are never read, and the prefix pass's
-        shapes repeat across image sizes."""
-        feeds = dict(self.vision_tables(tuple(int(x) for x in image.grid_thw)))
+        shapes repeat across image sizes. A video's frames each go through the tower alone,
+        their rows one after another (each frame is an image input, docs/model.md §8.2)."""
         rows = image.image_tokens
         dtype = self.runner.dtypes["image_features"]
         hidden = self.runner.dims.hidden
         features = torch.zeros(self.feature_rows(rows), hidden, dtype=dtype, device=self.device)
+        frames = image.frames if isinstance(image, PreparedVideo) else (image,)
+        at = 0
+        for frame in frames:
+            self.vision_into(frame, features[at : at + frame.image_tokens])
+            at += frame.image_tokens
+        return features
+
+    def vision_into(self, image: PreparedImage, features: torch.Tensor) -> None:
+        """The vision tower of one image, its rows written into `features`."""
+        feeds = dict(self.vision_tables(tuple(int(x) for x in image.grid_thw)))
         dtypes = self.backend.input_dtypes("vision")
         feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
-        name = self.output_name("vision", "image_features")
-        self.backend.run("vision", feeds, {name: features[:rows]})
-        return features
+        self.backend.run("vision", feeds, {self.output_name("vision", "image_features"): features})
 
     def feature_rows(self, rows: int) -> int:
         """Rows of the image features the prefix pass takes: the largest image's where the
         backend captures a graph per shape (`fixed_prefix_keys`), so that the prefix pass has
-        one shape a prefix length, else the image's own rows' bucket."""
+        one shape a prefix length (a video's frames may need more), else the image's own rows'
+        bucket."""
         if self.backend.capabilities.fixed_prefix_keys:
-            return bucket(MAX_IMAGE_TOKENS, PREFIX_STEP)
+            return bucket(max(rows, MAX_IMAGE_TOKENS), PREFIX_STEP)
         return bucket(rows, PREFIX_STEP)
 
     def pixel_values(self, image: PreparedImage, dtype: torch.dtype) -> torch.Tensor:
@@ -127,17 +136,23 @@ def vision_pos_embed(export_dir: Path) -> np.ndarray:
         return f.get_tensor("model.visual.pos_embed.weight").float().numpy()
 
 
-def prefix_key(image: PreparedImage, rows: Pass) -> str:
+def prefix_key(image: PreparedImage | PreparedVideo, rows: Pass) -> str:
     """Everything the image prefix depends on: its pass's tokens and positions, and the resized
     uint8 image, which fixes the pixel values (hashing the encoded image's digest where the
     preparation made one is cheaper than the decoded pixels)."""
     digest = hashlib.sha256()
     digest.update(rows.input_ids.tobytes())
     digest.update(rows.positions.tobytes())
+    for frame in image.frames if isinstance(image, PreparedVideo) else (image,):
+        image_digest(frame, digest)
+    return digest.hexdigest()
+
+
+def image_digest(image: PreparedImage, digest) -> None:
+    """Adds what fixes one image's pixel values to `digest`."""
     if image.digest is not None:  # the encoded image's, made while preparing
         digest.update(image.digest)
     else:
         pixels = image.resized if image.resized is not None else image.rgb
         digest.update(np.asarray(pixels.shape, dtype=np.int64).tobytes())
         digest.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
-    return digest.hexdigest()

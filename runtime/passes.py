@@ -190,9 +190,10 @@ def longest_prefix(prefix_length: int, image_tokens: int) -> int:
 
 
 def image_prefix_length(layouts: tuple[QuestionLayout, ...]) -> int:
-    """Tokens through <|vision_end|>, identical for every question by the prompt template."""
+    """Tokens through the last <|vision_end|> (a video's frames come one after another),
+    identical for every question by the prompt template."""
     ids = layouts[0].token_ids
-    end = ids.index(VISION_END) + 1
+    end = len(ids) - ids[::-1].index(VISION_END)
     for layout in layouts[1:]:
         if layout.token_ids[:end] != ids[:end]:
             raise ValueError("questions do not share the image prefix")

@@ -401,6 +401,8 @@ def prepare(
     """
     from runtime.images import prepare_image
 
+    if request.video is not None:  # several frames, each an image (runtime.video_prepare)
+        return request.video.prepare(request, tokenizer, planner)
     started = time.perf_counter()
     if image is None and pending is None:
         encoded = (request.image_mime, request.image_bytes, request.opened)
@@ -450,6 +452,8 @@ def start_image_of(
     has passed the contract; None without the contract's open image."""
     from runtime.images import prepare_image
 
+    if not isinstance(image, tuple):  # a video decodes while it is prepared
+        return None
     mime, data, opened = image
     if opened is None:
         return None
@@ -467,11 +471,19 @@ def header_grid(request: Request) -> tuple[int, int, int]:
 
 
 def lay_out(
-    questions: Sequence[Question], tokenizer: Tokenizer, image_tokens: int
+    questions: Sequence[Question],
+    tokenizer: Tokenizer,
+    image_tokens: int,
+    encoded: tuple[list[list[int]], list[str]] | None = None,
 ) -> tuple[list[dict], int, int]:
     """Every question's layout fields but its positions (`with_positions` adds them), after the
-    limits' checks; the prefix length and the processed tokens."""
-    ids = encode_questions(questions, tokenizer, image_tokens)
+    limits' checks; the prefix length and the processed tokens. `encoded`: each question's ids
+    and prompt where the caller made them (a video's, runtime.video_prepare)."""
+    if encoded is None:
+        ids = encode_questions(questions, tokenizer, image_tokens)
+        prompts = [render_prompt(question) for question in questions]
+    else:
+        ids, prompts = encoded
     check_sequence_lengths(questions, ids)
     arrays = [np.asarray(question_ids, dtype=np.int64) for question_ids in ids]
     prefix, opens, closes = prefix_and_marks(arrays)
@@ -482,14 +494,14 @@ def lay_out(
     processed = processed_tokens(prefix, opens, closes)
     check_request_totals(processed, read_tokens(questions, opens, closes))
     drafts = []
-    for question, question_ids, array, question_opens, question_closes in zip(
-        questions, ids, arrays, opens, closes, strict=True
+    for question, prompt, question_ids, array, question_opens, question_closes in zip(
+        questions, prompts, ids, arrays, opens, closes, strict=True
     ):
         rows = question_rows(question_ids, prefix, question_opens, question_closes)
         drafts.append(
             {
                 "question": question,
-                "prompt": render_prompt(question),
+                "prompt": prompt,
                 "token_ids": tuple(question_ids),
                 "opens": tuple(question_opens),
                 "closes": tuple(question_closes),

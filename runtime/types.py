@@ -40,6 +40,8 @@ class Request:
     questions: tuple[Question, ...]
     # runtime.images.OpenedImage: Pillow's header, opened by the contract, decoded once from it
     opened: object | None = field(default=None, compare=False, repr=False)
+    # runtime.video.VideoFile or VideoMosaic where the state is a video (no image then)
+    video: object | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,34 @@ class PreparedImage:
     @property
     def image_tokens(self) -> int:
         return grid_tokens(self.grid_thw)
+
+
+@dataclass(frozen=True)
+class VideoFrames:
+    """Decoded frames, uint8 [H, W, 3] each, with their times in seconds and the clip's length
+    (runtime.video.video_frames)."""
+
+    frames: tuple[np.ndarray, ...]
+    timestamps: tuple[int | float, ...]
+    duration: int | float
+
+
+@dataclass(frozen=True)
+class PreparedVideo:
+    """A video's frames, each prepared as an image (docs/model.md §8.2): one image input each,
+    their placeholder runs in order in one prefix."""
+
+    frames: tuple[PreparedImage, ...]
+    timestamps: tuple[int | float, ...]  # seconds, as the prompt writes them
+    duration: int | float
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(frame.image_tokens for frame in self.frames)
+
+    @property
+    def grids(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(frame.grid_thw for frame in self.frames)
 
 
 def grid_tokens(grid_thw: tuple[int, int, int]) -> int:
@@ -96,7 +126,7 @@ class QuestionLayout:
 class Prepared:
     """Everything the model side needs for one request."""
 
-    image: PreparedImage
+    image: PreparedImage | PreparedVideo
     layouts: tuple[QuestionLayout, ...]
     prefix_length: int  # the reference's L
     input_tokens: int  # L + sum of row lengths

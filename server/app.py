@@ -38,7 +38,16 @@ from runtime.strict_json import parse_body
 from runtime.types import Prepared
 from server import memory
 from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
-from server.formats import NATIVE, FormatError, Translation, Wire, decisions, typesafe, unchanged
+from server.formats import (
+    NATIVE,
+    NATIVE_PATH,
+    FormatError,
+    Translation,
+    Wire,
+    decisions,
+    typesafe,
+    unchanged,
+)
 from server.metrics import CONTENT_TYPE, Metrics, RequestRecord
 from server.protocol import MAX_HEADER_BYTES, GuardedH11Protocol
 from server.schemas import (
@@ -661,7 +670,7 @@ def create_app(
     async def models() -> JSONResponse:
         """The served model, as OpenAI-style servers list theirs."""
         card = {"id": engine.model_id, "object": "model", "created": CREATED, "owned_by": "omnijev"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [{**card, "inputs": model_inputs()}]})
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
@@ -669,6 +678,16 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def model_inputs() -> dict:
+    """What the decision routes take: images on each, a video on the two whose formats carry
+    one (the Decisions API has no video input)."""
+    from runtime.images import PILLOW_FORMATS
+    from runtime.video import accepted
+
+    routes = [NATIVE_PATH, typesafe.PATH]
+    return {"image": list(PILLOW_FORMATS), "video": {**accepted(), "routes": routes}}
 
 
 class ListeningServer(uvicorn.Server):

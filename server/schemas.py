@@ -25,14 +25,24 @@ from runtime.contract import (
     MODELS,
 )
 from runtime.panels import MAX_IMAGES
+from runtime.video import MAX_DURATION, MAX_FRAMES
 from server.formats import NATIVE_PATH, decisions, typesafe
 
 # docs/contract.md §2.3: strict base64 of at least one quantum with canonical padding
 BASE64 = r"([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{4}|[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)"
 IMAGE_URL = rf"^data:image/(png|jpeg);base64,{BASE64}$"
-MediaReferences = Annotated[str, Field(pattern=r"^(\s*<image:[0-9]+>)*\s*$")]
+MediaReferences = Annotated[str, Field(pattern=r"^((\s*<image:[0-9]+>)*|\s*<video:1>)\s*$")]
+VIDEO_URL = rf"^data:video/(mp4|webm);base64,{BASE64}$"
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 ImageURL = Annotated[str, Field(pattern=IMAGE_URL, description="data:image/png or jpeg, base64")]
+VideoURL = Annotated[
+    str,
+    Field(
+        pattern=VIDEO_URL,
+        description=f"data:video/mp4 (H.264) or webm (VP8, VP9), base64; at most "
+        f"{MAX_DURATION} s, {MAX_FRAMES} frames sampled uniformly",
+    ),
+]
 
 
 def example_image() -> str:
@@ -118,6 +128,27 @@ class ImageState(Strict):
     images: list[ImageURL] = Field(min_length=1, max_length=1, description="exactly one image")
 
 
+class VideoFileState(Strict):
+    video: VideoURL
+
+
+class VideoMosaic(Strict):
+    """The reference's form: `images[0]` holds `n_frames` tiles, `cols` a row, row-major."""
+
+    n_frames: int = Field(ge=1, le=MAX_FRAMES)
+    cols: int = Field(ge=1, le=MAX_FRAMES)
+    tile: int | list[int] = Field(description="a square's side, or [width, height]")
+    timestamps: list[Annotated[float, Field(ge=0, le=MAX_DURATION)]] = Field(
+        max_length=MAX_FRAMES, description="seconds, one a frame"
+    )
+    duration: float = Field(ge=0, le=MAX_DURATION, description="seconds")
+
+
+class VideoMosaicState(Strict):
+    images: list[ImageURL] = Field(min_length=1, max_length=1, description="the frame mosaic")
+    video: VideoMosaic
+
+
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
 QuestionIds = {"propertyNames": {"maxLength": MAX_ID_CHARS}}
 
@@ -137,7 +168,7 @@ class DecisionRequest(Strict):
         },
     )
     model: Any = Field(None, json_schema_extra={"enum": [*MODELS, None]})
-    state: ImageState
+    state: ImageState | VideoFileState | VideoMosaicState
     questions: dict[str, Question] = Field(
         min_length=1,
         max_length=MAX_QUESTIONS,
@@ -221,9 +252,19 @@ class TypeSafeScore(Strict):
     )
 
 
-class TypeSafeMedia(Strict):
+class TypeSafeImage(Strict):
     type: Literal["image"]
     data: ImageURL
+
+
+class TypeSafeVideo(Strict):
+    """A clip, referenced alone from the state as `<video:1>`."""
+
+    type: Literal["video"]
+    data: VideoURL
+
+
+TypeSafeMedia = Annotated[TypeSafeImage | TypeSafeVideo, Field(discriminator="type")]
 
 
 class TypeSafeState(Strict):
@@ -250,7 +291,7 @@ class TypeSafeRequest(Strict):
         },
     )
     model: Any = Field(None, json_schema_extra={"enum": [*MODELS, None]})
-    state: TypeSafeState | MediaReferences
+    state: TypeSafeState | VideoFileState | MediaReferences
     media: list[TypeSafeMedia] | None = Field(None, min_length=1, max_length=MAX_IMAGES)
     questions: dict[str, TypeSafeQuestion] = Field(
         min_length=1, max_length=MAX_QUESTIONS, json_schema_extra=QuestionIds
@@ -415,11 +456,24 @@ class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
 
 
+class VideoInput(BaseModel):
+    types: dict[str, list[str]] = Field(description="MIME type -> codecs")
+    max_frames: int = Field(description="frames sampled uniformly from a file")
+    max_seconds: int
+    routes: list[str]
+
+
+class ModelInputs(BaseModel):
+    image: list[str] = Field(description="MIME types")
+    video: VideoInput
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    inputs: ModelInputs = Field(description="what the decision routes take (this runtime's)")
 
 
 class ModelList(BaseModel):

@@ -1,6 +1,7 @@
 """The short version of `make fuzz` (tools/fuzz.py) in the default test run: seeded malformed
-bodies with good requests among them, HTTP-level abuse, hostile images and a short flood of
-12 MiB bodies against a worker process on 127.0.0.1; no 500, no reset, the same answer after."""
+bodies with good requests among them, HTTP-level abuse, hostile images and videos and a short
+flood of 12 MiB bodies against a worker process on 127.0.0.1; no 500, no reset, the same answer
+after, each hostile video refused within a second."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_a_short_abuse_run_gets_no_500_and_the_same_answer_after(
     run.raw()
     run.malformed(MALFORMED)
     run.images()
+    run.videos()
     run.flood(FLOOD_S)
     run.after()
     latency = [f for f in run.failures if "p90" in f]  # timing on a shared CI machine: reported
@@ -41,5 +43,8 @@ def test_a_short_abuse_run_gets_no_500_and_the_same_answer_after(
     assert report["malformed"]["good_requests_differing"] == 0
     assert report["http_level"]["200 KB header"] == 431
     assert all(status in (200, 422) for status, _ in report["hostile_images"].values())
+    videos = report["hostile_videos"]
+    assert len(videos) == 50 and all(status in (200, 422) for status, _ in videos.values())
+    assert max(seconds for status, seconds in videos.values() if status == 422) <= 1.0
     assert report["flood"]["good_requests"] > 0
     assert worker.process.poll() is None

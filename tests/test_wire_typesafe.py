@@ -125,7 +125,7 @@ def body(**changes: object) -> dict:
         ({"state": {"images": [IMAGE] * 9}}, "state: at most 8 images, not 9"),
         (
             {"state": "<image:1>", "media": [{"type": "video", "frames": [IMAGE]}]},
-            "media[0]: only {type: image, data: <data URL>} is supported",
+            "media[0].frames: unknown field (allowed: type, data)",
         ),
         (
             {"questions": {"s": {"type": "score", "criteria": [{"a": 1}]}}},

@@ -1,12 +1,12 @@
 """`make fuzz`: a seeded abuse run against a real worker on 127.0.0.1 (issue 14's acceptance).
 
 Starts `omnijev serve` on the demo's tiny model (or uses a running worker), then: HTTP-level
-abuse, malformed bodies with good requests among them, hostile images, a flood of 12 MiB bodies
-under a good request's latency, 1,000 valid requests up to the longest prompts the contract
-allows, stalled clients, schemathesis' every check on every route of the OpenAPI document, and
-SIGTERM with stalled clients and work in flight. The malformed bodies go to the three decision
-routes in turn. Prints one JSON
-report; exits 1 if an acceptance bound of issue 14 failed.
+abuse, malformed bodies with good requests among them, hostile images and videos (issue 48), a
+flood of 12 MiB bodies under a good request's latency, 1,000 valid requests up to the longest
+prompts the contract allows, stalled clients, schemathesis' every check on every route of the
+OpenAPI document, and SIGTERM with stalled clients and work in flight. The malformed bodies go to
+the three decision routes in turn. Prints one JSON report; exits 1 if an acceptance bound of
+issue 14 or 48 failed.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ BODY_DEADLINE_S = 30.0  # server.app.BODY_READ_S
 START_S = 120.0  # the worker must answer /health within this
 RSS_RATIO = 1.3  # issue 14: RSS after the valid requests within 1.3x its warm-up level
 ICCP_CHUNKS = 2000  # the bomb's ancillary chunks, each inflating to 1 MiB (8,000 in issue 14)
+VIDEO_REFUSED_S = 1.0  # issue 48: a hostile video is refused within a second
+VIDEO_MEDIA_EVERY = 5  # every fifth hostile video goes to the TypeSafe route as well (0.2 s each)
 WORDS = [
     "model", "state", "images", "questions", "type", "instructions", "options", "criteria",
     "levels", "region", "box", "key", "text", "abstain", "noul", "choice", "score", "omnijev",
@@ -442,6 +444,35 @@ class Run:
                 self.check(status, f"image {name}")
         self.report["hostile_images"] = results
 
+    def videos(self) -> None:
+        """The hostile video states (tools/hostile_videos.py) to the native route, each
+        answered or refused within VIDEO_REFUSED_S, and some files as OneJev's media to the
+        TypeSafe route."""
+        from tools.hostile_videos import hostile_videos
+
+        results = {}
+        with httpx.Client(base_url=self.url, timeout=120) as client:
+            states = hostile_videos(data_url(png_bytes(64, 48)))
+            for index, (name, state) in enumerate(states.items()):
+                body = {**decision(), "state": state}
+                started = time.perf_counter()
+                status = self.post(client, json.dumps(body).encode()).status_code
+                took = time.perf_counter() - started
+                results[name] = [status, round(took, 3)]
+                self.check(status, f"video {name}")
+                if took > VIDEO_REFUSED_S:
+                    self.failures.append(f"video {name}: {took:.2f} s, over {VIDEO_REFUSED_S} s")
+                file = isinstance(state.get("video"), str) and "images" not in state
+                if file and index % VIDEO_MEDIA_EVERY == 0:
+                    media = {
+                        "state": "<video:1>",
+                        "media": [{"type": "video", "data": state["video"]}],
+                        "questions": {"n": {"type": "noul", "instructions": "Is it there?"}},
+                    }
+                    status = self.post(client, json.dumps(media).encode(), ROUTES[1]).status_code
+                    self.check(status, f"video {name} as media")
+        self.report["hostile_videos"] = results
+
     def valid(self, count: int) -> None:
         """`count` valid requests, one in ten near the longest prompt the contract allows."""
         long_bodies = [json.dumps(longest_prompt(self.rng)).encode() for _ in range(4)]
@@ -649,6 +680,7 @@ def run(
         ("raw", abuse.raw),
         ("malformed", lambda: abuse.malformed(requests)),
         ("images", abuse.images),
+        ("videos", abuse.videos),
         ("flood", lambda: abuse.flood(flood_s)),
         ("valid", lambda: abuse.valid(valid)),
         ("stalled", lambda: abuse.stalled(stalled)),
@@ -681,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the report here")
     parser.add_argument(
         "--phases",
-        default="raw,malformed,images,valid,flood,stalled,schemathesis,sigterm",
+        default="raw,malformed,images,videos,valid,flood,stalled,schemathesis,sigterm",
         help="which phases to run, comma-separated",
     )
     args = parser.parse_args(argv)

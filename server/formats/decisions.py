@@ -4,8 +4,9 @@ The request becomes the native one: the user messages' `input_image` parts (data
 image, tiled into one where there are several (runtime.panels); `predicate`, `choice` and `score`
 questions become noul, choice (`value: description` criteria) and score (the level labels)
 questions, asked in their list order. Text in the input, image URLs and JSON parts are refused
-(the model reads images only). Errors carry OpenAI's `{"error": {...}}` body; the native
-contract's refusals are 400 `invalid_request_error`s.
+(the model reads images only), and so is a video (the format has none; the other routes take
+it). Errors carry OpenAI's `{"error": {...}}` body; the native contract's refusals are 400
+`invalid_request_error`s.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ ERROR_TYPES = {404: "invalid_request_error", 500: "server_error", 503: "server_e
 ERROR_CODES = {404: "model_not_found", 413: "request_too_large", 503: "overloaded"}
 TEXT_REFUSED = "is not supported: the model reads images only; send input_image parts"
 QUESTION_PREFIX = re.compile(r"question (\d+): ")
+VIDEO_PARTS = ("input_video", "video_url", "video")  # what a client may try for a clip
+VIDEO_REFUSED = (
+    "video is not supported: the Decisions API has no video input; "
+    "send the clip to /v1/systemone as state.video (or /typesafe/v1/systemone as media)"
+)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -126,6 +132,9 @@ def message_images(content: object, where: str) -> list[str]:
     for index, part in enumerate(content):
         at = f"{where}[{index}]"
         kind = part.get("type") if isinstance(part, dict) else json_type(part)
+        video = video_field(part, at)
+        if video is not None:
+            raise FormatError(f"{video}: {VIDEO_REFUSED}", video, 400)
         if kind != "input_image":
             raise FormatError(f"{at}: {kind!r} part {TEXT_REFUSED}", at, 400)
         check_keys(part, IMAGE_FIELDS, at, 400)
@@ -135,6 +144,19 @@ def message_images(content: object, where: str) -> list[str]:
             raise FormatError(message, f"{at}.image_url", 400)
         urls.append(url)
     return urls
+
+
+def video_field(part: object, at: str) -> str | None:
+    """Where a content part holds a video (a video part, or a video data URL in any field),
+    for the refusal to name; None for any other part."""
+    if not isinstance(part, dict):
+        return None
+    if part.get("type") in VIDEO_PARTS:
+        return at
+    for key, value in part.items():
+        if isinstance(value, str) and value.startswith("data:video/"):
+            return f"{at}.{key}"
+    return None
 
 
 def native_question(question: object, where: str) -> tuple[dict, list]:

@@ -2,7 +2,8 @@
 `/typesafe/v1/systemone`: a client sets its base URL to `http://host:port/typesafe`.
 
 Its request becomes the native one: `state.images` (or OneJev's `media` list referenced from the
-state as `<image:N>`) tiled into one image where there are several (runtime.panels); a Choice's
+state as `<image:N>`) tiled into one image where there are several (runtime.panels), a clip
+(`state.video`, or a `media` video referenced as `<video:1>`) the native `state.video`; a Choice's
 `criteria` map (or list of labels) is the native criteria form; a Score's `criteria` list is the
 native `levels`; a Noul's `criteria` are accepted and, as in the reference, not read by the model.
 Answers carry `type`; Score answers the expected level index with level-index probabilities and a
@@ -36,7 +37,7 @@ QUESTION_FIELDS = ("type", "instructions", "criteria")
 MEDIA_FIELDS = ("type", "data")
 NOUL_CRITERIA = ("true", "false")
 PLACEHOLDER = re.compile(r"<image:(\d+)>")  # OneJev's media references (qev.media)
-TEXT_REFUSED = "text in the state is not supported: the model reads images only"
+TEXT_REFUSED = "text in the state is not supported: the model reads images and video only"
 
 
 def translate(obj: dict) -> Translation:
@@ -47,18 +48,48 @@ def translate(obj: dict) -> Translation:
         raise FormatError(f"model: {model!r} is not served here (served: {MODELS[0]})", "model")
     if "state" not in obj:
         raise FormatError("state: required (an object with images)", "state")
-    urls = image_urls(obj["state"], obj.get("media"))
+    state = native_state(obj["state"], obj.get("media"))
     questions = obj.get("questions")
     if not isinstance(questions, dict) or not questions:
         raise FormatError("questions: must be a non-empty object of questions", "questions")
     native = {name: native_question(name, value) for name, value in questions.items()}
-    request = {"model": MODELS[0], "state": {"images": [panels.one_image(urls)]}}
+    request = {"model": MODELS[0], "state": state}
     legends = {name: value["criteria"] for name, value in questions.items() if is_score(value)}
     return Translation({**request, "questions": native}, lambda answer: response(answer, legends))
 
 
 def is_score(value: object) -> bool:
     return isinstance(value, dict) and value.get("type") == "score"
+
+
+def native_state(state: object, media: object) -> dict:
+    """The native state: a clip as `state.video`, else the images tiled into one."""
+    video = video_url(state, media)
+    if video is not None:
+        return {"video": video}
+    return {"images": [panels.one_image(image_urls(state, media))]}
+
+
+def video_url(state: object, media: object) -> object | None:
+    """A clip's data URL: OneJev's `media` item of type video, referenced as `<video:1>`, or
+    the state object's `video` (which the SDK carries); None without a video. The native
+    contract checks the URL itself."""
+    if media is None:
+        if not (isinstance(state, dict) and "video" in state):
+            return None
+        check_keys(state, ("video",), "state")
+        return state["video"]
+    items = media if isinstance(media, list) else []
+    if not any(isinstance(item, dict) and item.get("type") == "video" for item in items):
+        return None
+    if len(items) != 1:
+        raise FormatError(
+            f"media: a video is asked about alone, not with {len(items) - 1} more", "media"
+        )
+    check_keys(items[0], MEDIA_FIELDS, "media[0]")
+    if not isinstance(state, str) or state.strip() != "<video:1>":
+        raise FormatError("state: with a video in media, the string <video:1>", "state")
+    return items[0].get("data")
 
 
 def image_urls(state: object, media: object) -> list[str]:
@@ -88,7 +119,7 @@ def media_urls(state: object, media: object) -> list[str]:
         where = f"media[{index}]"
         if not isinstance(item, dict) or item.get("type") != "image":
             raise FormatError(
-                f"{where}: only {{type: image, data: <data URL>}} is supported", where
+                f"{where}: only {{type: image or video, data: <data URL>}} is supported", where
             )
         check_keys(item, MEDIA_FIELDS, where)
         urls.append(item.get("data"))

@@ -1,0 +1,158 @@
+"""Prepares a request about a video: its frames as images, the reference's video prompt, token
+ids with one placeholder run a frame, and M-RoPE positions as `get_rope_index` lays them out.
+
+Follows docs/model.md §8.2 (the prompt) and §5 (several image runs); the rest of the layout is
+the still's (`runtime.processing.lay_out`), so the prefix holds every frame and the questions
+follow it as they follow a still.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from runtime.constants import IMAGE_PAD_ID
+from runtime.errors import ContractError
+from runtime.images import normalize_and_pack, resize_rgb, smart_resize
+from runtime.processing import (
+    IMAGE_PAD,
+    PLACEHOLDER_ERROR,
+    PROMPT_TAIL,
+    encode_each,
+    image_block,
+    lay_out,
+)
+from runtime.types import (
+    Prepared,
+    PreparedImage,
+    PreparedVideo,
+    Question,
+    QuestionLayout,
+    Request,
+    VideoFrames,
+)
+
+# docs/model.md §8.2: the user message is this text, then `t={ts}s:` and an image a frame, then
+# the instructions; the chat template writes the parts one after another, an image as its markup.
+VIDEO_INTRO = "A video of {duration:.0f} seconds; {count} frames sampled uniformly in order."
+FRAME_TEXT = "t={ts}s:"
+IMAGE_MARKUP = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
+USER_HEAD = "<|im_start|>user\n"
+
+
+def prepare_video(
+    request: Request,
+    tokenizer: Tokenizer,
+    decoded: VideoFrames,
+    planner: Callable[[Prepared], object] | None = None,
+    started: float | None = None,
+) -> Prepared:
+    """Prepares each of the video's decoded frames (`runtime.video.video_frames`) as an image,
+    tokenizes every question and lays out its rows over one prefix that holds every frame;
+    `started`: when the preparation began (the decode's start), for `prepare_seconds`."""
+    started = time.perf_counter() if started is None else started
+    video = PreparedVideo(
+        frames=tuple(frame_image(rgb) for rgb in decoded.frames),
+        timestamps=decoded.timestamps,
+        duration=decoded.duration,
+    )
+    prompts = [video_prompt(question, video) for question in request.questions]
+    counts = [frame.image_tokens for frame in video.frames]
+    ids = encode_video_prompts(prompts, tokenizer, counts)
+    drafts, prefix, processed = lay_out(
+        request.questions, tokenizer, video.image_tokens, (ids, prompts)
+    )
+    layouts = []
+    for draft in drafts:
+        fields = dict(draft)
+        positions = video_positions(fields.pop("ids"), video.grids)
+        layouts.append(QuestionLayout(**fields, positions=positions))
+    prepared = Prepared(
+        image=video, layouts=tuple(layouts), prefix_length=prefix, input_tokens=processed
+    )
+    planned = planner(prepared) if planner is not None else None
+    return replace(prepared, planned=planned, prepare_seconds=time.perf_counter() - started)
+
+
+def frame_image(rgb: np.ndarray) -> PreparedImage:
+    """One frame as the processor prepares an image: smart resize, resize, normalize, pack."""
+    height, width = rgb.shape[:2]
+    resized = resize_rgb(rgb, *smart_resize(height, width))
+    pixel_values, grid_thw = normalize_and_pack(resized)
+    return PreparedImage(
+        width=width,
+        height=height,
+        rgb=rgb,
+        pixel_values=pixel_values,
+        grid_thw=grid_thw,
+        resized=resized,
+    )
+
+
+def video_user_text(video: PreparedVideo) -> str:
+    """The user message's video part: the intro, then each frame's time and image markup."""
+    intro = VIDEO_INTRO.format(duration=video.duration, count=len(video.frames))
+    frames = "".join(FRAME_TEXT.format(ts=ts) + IMAGE_MARKUP for ts in video.timestamps)
+    return intro + frames
+
+
+def video_prompt(question: Question, video: PreparedVideo) -> str:
+    """The question's prompt about the video: the chat template's user turn (trimmed, so the
+    instructions lose their trailing whitespace), the generation prompt, every option block."""
+    options = "".join(f"<|opt|>{text}<|/opt|>" for text in question.option_texts)
+    user = video_user_text(video) + question.instructions.rstrip()
+    return f"{USER_HEAD}{user}{PROMPT_TAIL}{options}"
+
+
+def encode_video_prompts(
+    prompts: Sequence[str], tokenizer: Tokenizer, counts: Sequence[int]
+) -> list[list[int]]:
+    """Each prompt's expanded ids: its text around the placeholders encoded piece by piece (the
+    placeholder is a special token, where the tokenizer splits anyway) and `counts[i]` pad ids
+    for frame i, as the processor expands them."""
+    pieces = [prompt.split(IMAGE_PAD) for prompt in prompts]
+    if any(len(parts) != len(counts) + 1 for parts in pieces):
+        raise ContractError(PLACEHOLDER_ERROR)
+    encodings = iter(encode_each(tokenizer, [part for parts in pieces for part in parts]))
+    out = []
+    for _ in prompts:
+        ids = list(next(encodings).ids)
+        for count in counts:
+            ids += [IMAGE_PAD_ID] * count
+            ids += next(encodings).ids
+        out.append(ids)
+    return out
+
+
+def image_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each contiguous run of image pad ids, in order."""
+    where = np.flatnonzero(np.asarray(ids, dtype=np.int64) == IMAGE_PAD_ID)
+    if where.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(where) > 1) + 1
+    return [(int(run[0]), int(run.size)) for run in np.split(where, breaks)]
+
+
+def video_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]]) -> np.ndarray:
+    """int64 [3, T] (T, H, W) positions of a sequence with one image run a grid, in order: text
+    counts on from where the last run left off on every axis, an image's merged patches sit at
+    (start, start + row, start + column), and the text after it resumes at start + max(rows,
+    columns) (transformers' `get_rope_index`, docs/model.md §5)."""
+    runs = image_runs(ids)
+    shapes = [(grid[1] // 2, grid[2] // 2) for grid in grids]
+    if [length for _, length in runs] != [rows * cols for rows, cols in shapes]:
+        raise ContractError(PLACEHOLDER_ERROR)
+    positions = np.empty((3, len(ids)), dtype=np.int64)
+    at, next_position = 0, 0
+    for (start, length), (rows, cols) in zip(runs, shapes, strict=True):
+        text = start - at
+        positions[:, at:start] = next_position + np.arange(text, dtype=np.int64)
+        image_start = next_position + text
+        positions[:, start : start + length] = image_block(rows, cols) + image_start
+        at, next_position = start + length, image_start + max(rows, cols)
+    positions[:, at:] = next_position + np.arange(len(ids) - at, dtype=np.int64)
+    return positions

@@ -1,0 +1,139 @@
+"""runtime.video and runtime.video_prepare without a model: PyAV decodes generated clips to their
+frames, samples them uniformly with their times, the mosaic is cut back into the same frames,
+the prompt is the reference's, the decoder's process is bounded, and track counts come from
+the container headers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reference.questions import data_url, pattern_png
+from runtime import video
+from runtime.contract import compile_request
+from runtime.errors import ContractError
+from runtime.explain import explain
+from runtime.strict_json import parse_body
+from runtime.tokenizer import load_tokenizer
+from runtime.video_prepare import video_prompt
+from runtime.video_tracks import ebml_elements, mp4_tracks, webm_tracks
+from tests.video_clips import clip, encode_clip, mosaic_state, moving_frames, video_body, video_url
+from tools.hostile_videos import encode, repeated
+
+QUESTIONS = {"fell": {"type": "noul", "instructions": "Did it fall?  "}}
+
+
+def test_sampling_spreads_at_most_16_frames_from_first_to_last() -> None:
+    assert video.sample_indices(1) == [0]
+    assert video.sample_indices(5) == [0, 1, 2, 3, 4]
+    many = video.sample_indices(40)
+    assert len(many) == 16 and many[0] == 0 and many[-1] == 39
+    assert all(b - a in (2, 3) for a, b in zip(many, many[1:], strict=False))
+
+
+@pytest.mark.parametrize("codec", ["h264", "vp8", "vp9"])
+def test_a_clip_decodes_to_its_frames_and_times(codec: str) -> None:
+    """Ten frames at 4 frames a second: all kept, 0.25 s apart, 2.5 s long, each close to the
+    frame encoded (lossy codecs: a small mean difference, far below the frames' own)."""
+    frames = moving_frames(10, 64, 48, seed=3)
+    data = encode_clip(frames, codec, fps=4)
+    decoded = video.video_frames(video.video_file(video_url(data, clip(1, 16, 16, codec)[1])))
+    assert decoded.timestamps == tuple(round(i * 0.25, 2) for i in range(10))
+    assert decoded.duration == 2.5
+    for source, frame in zip(frames, decoded.frames, strict=True):
+        assert frame.shape == (48, 64, 3) and frame.dtype == np.uint8
+        error = np.abs(frame.astype(int) - source).mean()
+        assert error < 12, error
+    assert np.abs(decoded.frames[0].astype(int) - frames[9]).mean() > 2 * error
+
+
+def test_a_long_clip_keeps_16_frames_with_their_times() -> None:
+    data, mime = clip(40, 32, 32, "h264", fps=8)
+    decoded = video.video_frames(video.video_file(video_url(data, mime)))
+    picked = video.sample_indices(40)
+    assert decoded.timestamps == tuple(round(i / 8, 2) for i in picked)
+    assert len(decoded.frames) == 16 and decoded.duration == 5.0
+
+
+def test_the_mosaic_is_cut_back_into_its_frames() -> None:
+    frames = moving_frames(7, 40, 30, seed=1)
+    state = mosaic_state(frames, [0, 1, 2, 3, 4, 5, 6], 7, cols=3)
+    decoded = video.video_frames(video.video_of_state(state))
+    assert decoded.timestamps == (0, 1, 2, 3, 4, 5, 6) and decoded.duration == 7
+    assert all(np.array_equal(a, b) for a, b in zip(frames, decoded.frames, strict=True))
+    square = {
+        **state,
+        "video": {**state["video"], "tile": 30, "n_frames": 3, "timestamps": [0, 1, 2]},
+    }
+    cut = video.video_frames(video.video_of_state(square))
+    # a 30-pixel square tile across the 40×30 frames: the second spans two of them
+    expected = np.concatenate([frames[0][:, 30:40], frames[1][:, 0:20]], axis=1)
+    assert np.array_equal(cut.frames[1], expected)
+
+
+def test_the_prompt_is_the_references() -> None:
+    """docs/model.md §8.2: the intro, then `t={ts}s:` and an image a frame, then the
+    instructions without their trailing whitespace (the template trims the user turn)."""
+    tokenizer = load_tokenizer(None)
+    state = mosaic_state(moving_frames(2, 32, 32), [0, 1.5], 2.6, cols=2)
+    request = compile_request(parse_body(video_body(state, QUESTIONS)))
+    from runtime.processing import prepare
+
+    prepared = prepare(request, tokenizer)
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert video_prompt(request.questions[0], prepared.image) == (
+        "<|im_start|>user\nA video of 3 seconds; 2 frames sampled uniformly in order."
+        f"t=0s:{image}t=1.5s:{image}Did it fall?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        "<|opt|><|/opt|>"
+    )
+    ids = prepared.layouts[0].token_ids
+    assert ids.count(248056) == 2 * 64  # each 32×32 frame resizes to 256×256: 8×8 tokens
+    # the prefix holds both frames: it ends at the last <|vision_end|> or later
+    assert prepared.prefix_length > len(ids) - ids[::-1].index(248054) - 1
+
+
+def test_explain_lists_every_frame() -> None:
+    state = mosaic_state(moving_frames(3, 32, 32), [0, 1, 2], 3, cols=3)
+    explained = explain(video_body(state, QUESTIONS), load_tokenizer(None))
+    frames = explained["video"]["frames"]
+    assert len(frames) == 3 and frames[0]["image_grid_thw"] == [1, 16, 16]
+    assert explained["video"]["timestamps"] == [0, 1, 2]
+    assert sum(1 for t in explained["questions"][0]["token_ids"] if t < 0) == 3
+
+
+def test_the_decoder_process_is_killed_at_its_deadline(monkeypatch) -> None:
+    data, mime = clip(3, 32, 32)
+    file = video.video_file(video_url(data, mime))
+    monkeypatch.setattr(video, "DECODE_SECONDS", 0)
+    monkeypatch.setattr(video, "DECODER_SLACK", 0.01)
+    with pytest.raises(ContractError, match="video must decode within 0 s"):
+        video.decode_file(file)
+
+
+def test_a_decoder_that_dies_is_an_invalid_video(monkeypatch) -> None:
+    data, mime = clip(3, 32, 32)
+    file = video.video_file(video_url(data, mime))
+    monkeypatch.setattr(video.sys, "executable", "/bin/false")
+    with pytest.raises(ContractError, match="^invalid video$"):
+        video.decode_file(file)
+
+
+@pytest.mark.parametrize(("fmt", "codec"), [("mp4", "libx264"), ("webm", "libvpx")])
+def test_tracks_are_counted_from_the_headers(fmt: str, codec: str) -> None:
+    count = mp4_tracks if fmt == "mp4" else webm_tracks
+    one = encode(codec, fmt, 16, 16, frames=2)
+    assert count(one) == 1
+    assert count(repeated(one, fmt, 1, 12)) == 12
+    refused = video_url(repeated(one, fmt, 1, 12), "video/" + fmt)
+    with pytest.raises(ContractError, match="at most 8 streams, got 12"):
+        video.video_file(refused)
+    for cut in (5, 40, len(one) // 2):  # truncated headers: no crash, no invented tracks
+        assert count(one[:cut]) <= 1
+    assert list(ebml_elements(b"\x00\x00\x00", 0, 3)) == []
+
+
+def test_a_still_beside_a_file_is_refused() -> None:
+    data, mime = clip(2, 32, 32)
+    state = {"video": video_url(data, mime), "images": [data_url(pattern_png(32, 32))]}
+    with pytest.raises(ContractError, match="takes no state.images"):
+        video.video_of_state(state)
