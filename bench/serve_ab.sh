@@ -5,7 +5,7 @@
 # 1920x1080 JPEG and 1-question 1920x1080 PNG requests, 16 clients, then the worker's shape
 # builds by phase and its GPU memory from /metrics. TREE is this tree (.) or another revision's
 # files (`git archive REV | tar x -C .before`, carried); the load driver is always this tree's.
-# With `check`, bench.packed_check runs first, in process (shape builds, bytes alone and together).
+# With `check`, bench.packed_check runs last, in process (shape builds, bytes alone and together).
 #   bash bench/serve_ab.sh TREE NAME OUTDIR [check]
 set -uo pipefail
 tree=${1:?usage: bench/serve_ab.sh TREE NAME OUTDIR}; name=${2:?}; out=${3:?}
@@ -26,12 +26,6 @@ make_checkpoint('4b', 0, Path('$ck')); shutil.rmtree(release_path(Path('$ck')), 
 fi
 (cd "$tree" && PYTHONPATH=/tmp/site:$tree python3 -c "
 from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '$en', 'bfloat16')")
-if [[ ${4:-} == check ]]; then
-  log "$name: check"
-  (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree timeout 330 python3 -m bench.packed_check \
-    --checkpoint "$ck" --engines "$en" --requests 9 --out "$out/$name-check.json" \
-    > "$out/$name-check.log" 2>&1); tail -25 "$out/$name-check.log"
-fi
 log "$name: serve"
 (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree exec python3 -m runtime.cli serve \
   --checkpoint "$ck" --engines "$en" --port 8000 --prefix-cache 0 --backend torch \
@@ -39,6 +33,7 @@ log "$name: serve"
 server=$!
 until curl -sf $url/health > /dev/null; do
   kill -0 $server 2> /dev/null || { log "$name: the server exited"; tail -40 "$out/$name-server.log"; exit 1; }
+  grep -q "warm-up failed" "$out/$name-server.log" && { log "$name: warm-up failed"; kill $server; exit 1; }
   sleep 0.5
 done
 log "$name: ready"
@@ -48,11 +43,18 @@ load() {  # NAME-SUFFIX, then bench.load's options
     --seed 0 --out "$out/$name-$label.json" "$@" 2>&1 | tail -4 | tee -a "$out/log.txt"
 }
 load mixed-c1 --clients 1 --requests 100 --warm-up 8
-load heldout-c1 --clients 1 --requests 60 --held-out
 load q12-jpeg --clients 1 --requests 20 --questions 12 --image-size 1920x1080 --format jpeg
 load q1-png --clients 1 --requests 20 --questions 1 --image-size 1920x1080 --format png
+load heldout-c1 --clients 1 --requests 60 --held-out
 load mixed-c16 --clients 16 --requests 120
 curl -s $url/metrics | grep -E "^omnijev_shape_build|^omnijev_cuda_memory" | tee "$out/$name-metrics.txt"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee -a "$out/$name-metrics.txt"
 kill $server; wait $server 2> /dev/null
+log "$name: served"
+if [[ ${4:-} == check ]]; then
+  log "$name: check"
+  (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree timeout ${CHECK_S:-120} python3 -m bench.packed_check \
+    --checkpoint "$ck" --engines "$en" --requests 9 --out "$out/$name-check.json" \
+    > "$out/$name-check.log" 2>&1); tail -25 "$out/$name-check.log"
+fi
 log "$name: done"

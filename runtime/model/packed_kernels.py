@@ -134,8 +134,10 @@ if triton is not None:
         prefix's state, each final state kept in its slot; else option rows only, from their
         parent's slot. Other rows and empty ones do nothing. The next token's inputs are loaded
         before this token's arithmetic."""
-        i_v = tl.program_id(0)
-        i_rh = tl.program_id(1).to(tl.int64)
+        # rows × heads on the first axis: the second takes at most 65,535 (the largest pass's
+        # 2,048 rows × 32 heads are 65,536)
+        i_rh = tl.program_id(0).to(tl.int64)
+        i_v = tl.program_id(1)
         i_r = i_rh // HV
         i_hv = i_rh % HV
         i_h = i_hv // (HV // H)
@@ -295,7 +297,7 @@ def packed_gated_delta_op(
     slots = torch.empty(TEXT_ROWS, value_heads, dk, dv, dtype=torch.float32, device=v.device)
     inputs = [t.contiguous() for t in (g, beta, states.float())]
     tables = [t.contiguous() for t in (row_start, row_length, row_parent, row_prefix)]
-    grid = (dv // BLOCK_V, (row_start.shape[0] - 1) * value_heads)
+    grid = ((row_start.shape[0] - 1) * value_heads, dv // BLOCK_V)
     for text in (True, False):
         _packed_delta_kernel[grid](
             q, k, v, *inputs, slots, *tables, out, scale, q.stride(0), v.stride(0),
