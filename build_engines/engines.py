@@ -376,7 +376,6 @@ def build_torch_artifacts(
         "load_seconds": round(loaded - started, 2),
         "load_parts": executor.load_seconds,
         "weights_seconds": round(torch_backend.weights_seconds, 2),
-        "floor_seconds": round(torch_backend.floor_seconds, 2),
         "warm_up_seconds": warm_seconds,
         "hash_seconds": round(time.perf_counter() - hashed, 2),
     }

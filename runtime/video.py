@@ -242,23 +242,28 @@ def sample_indices(count: int, most: int = MAX_FRAMES) -> list[int]:
     return np.linspace(0, count - 1, k).round().astype(np.int64).tolist()
 
 
-def decode_file(video: VideoFile) -> VideoFrames:
-    """`decode_frames` in a Python process of its own, killed at its deadline: a container
-    FFmpeg chokes on, or a decode that hangs inside one call, costs that process, never the
-    worker, and the preparation slot is free again within DECODE_SECONDS and DECODER_SLACK."""
+def decode_file(
+    video: VideoFile,
+    seconds: float = DECODE_SECONDS,
+    slack: float = DECODER_SLACK,
+    python: str = sys.executable,
+) -> VideoFrames:
+    """`decode_frames` in a Python process of its own (`python`), killed at its deadline: a
+    container FFmpeg chokes on, or a decode that hangs inside one call, costs that process,
+    never the worker, and the preparation slot is free again within `seconds` and `slack`."""
     paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "runtime.video"],
+            [python, "-m", "runtime.video"],
             input=pickle.dumps((video.mime, video.data)),
             capture_output=True,
-            timeout=DECODE_SECONDS + DECODER_SLACK,
+            timeout=seconds + slack,
             env=env,
             check=False,
         )
     except subprocess.TimeoutExpired:
-        raise ContractError(f"video must decode within {DECODE_SECONDS:g} s") from None
+        raise ContractError(f"video must decode within {seconds:g} s") from None
     if done.returncode != 0 or not done.stdout:  # FFmpeg crashed, or the memory limit hit
         raise ContractError(INVALID_VIDEO)
     try:

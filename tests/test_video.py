@@ -101,21 +101,18 @@ def test_explain_lists_every_frame() -> None:
     assert sum(1 for t in explained["questions"][0]["token_ids"] if t < 0) == 3
 
 
-def test_the_decoder_process_is_killed_at_its_deadline(monkeypatch) -> None:
+def test_the_decoder_process_is_killed_at_its_deadline() -> None:
     data, mime = clip(3, 32, 32)
     file = video.video_file(video_url(data, mime))
-    monkeypatch.setattr(video, "DECODE_SECONDS", 0)
-    monkeypatch.setattr(video, "DECODER_SLACK", 0.01)
     with pytest.raises(ContractError, match="video must decode within 0 s"):
-        video.decode_file(file)
+        video.decode_file(file, seconds=0, slack=0.01)
 
 
-def test_a_decoder_that_dies_is_an_invalid_video(monkeypatch) -> None:
+def test_a_decoder_that_dies_is_an_invalid_video() -> None:
     data, mime = clip(3, 32, 32)
     file = video.video_file(video_url(data, mime))
-    monkeypatch.setattr(video.sys, "executable", "/bin/false")
     with pytest.raises(ContractError, match="^invalid video$"):
-        video.decode_file(file)
+        video.decode_file(file, python="/bin/false")
 
 
 @pytest.mark.parametrize(("fmt", "codec"), [("mp4", "libx264"), ("webm", "libvpx")])
