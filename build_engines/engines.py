@@ -363,7 +363,7 @@ def build_torch_artifacts(
         warm_seconds.append(round(time.perf_counter() - at, 2))
     at = time.perf_counter()
     executor.build_shapes()  # every patch bucket, prefix length and packed size: all compiled
-    warm_seconds.append(round(time.perf_counter() - at, 2))
+    shapes_seconds = round(time.perf_counter() - at, 2)
     hashed = time.perf_counter()
     digest, count = tree_digest(folder)
     manifest["torch"] = {
@@ -377,6 +377,7 @@ def build_torch_artifacts(
         "load_parts": executor.load_seconds,
         "weights_seconds": round(torch_backend.weights_seconds, 2),
         "warm_up_seconds": warm_seconds,
+        "shapes_seconds": shapes_seconds,
         "hash_seconds": round(time.perf_counter() - hashed, 2),
     }
     write_manifest(engine_dir, manifest)
