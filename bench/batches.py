@@ -71,17 +71,17 @@ def timed(executor, call) -> tuple[list[float], list[int], object]:
 
 
 def batches(executor, seed: int, count: int) -> dict:
-    """Each request alone (twice, and once with its prefix stacked twice, as a pass of two
-    prefixes reads it), then each scheduled batch of two or more, against those."""
+    """Each request alone (twice, and once in a batch with itself, its rows after its copy's),
+    then each scheduled batch of two or more, against those."""
     bodies = [*bench_bodies().values(), *(traffic.request(seed, i).body for i in range(count))]
     prepared = [executor.prepare(parse_body(body)) for body in bodies]
-    alone, stacks, record = [], [], {"requests": [], "batches": []}
+    alone, twins, record = [], [], {"requests": [], "batches": []}
     for p in prepared:
         times, builds, first = timed(executor, lambda p=p: executor.readouts(p))
         again = executor.readouts(p)
-        stacked = executor.readouts(p, images=[p, p])
+        twice = executor.readouts_batch([p, p])[1]
         alone.append(first)
-        stacks.append(stacked)
+        twins.append(twice)
         plan = request_row(p, executor.work_of(p))
         record["requests"].append(
             {
@@ -91,8 +91,8 @@ def batches(executor, seed: int, count: int) -> dict:
                 "ms": times,
                 "builds": builds,
                 "repeatable": same_readouts(again, first),
-                "two_prefixes_same": same_readouts(stacked, first),
-                "two_prefixes_gap": largest_gap(stacked, first),
+                "twice_same": same_readouts(twice, first),
+                "twice_gap": largest_gap(twice, first),
             }
         )
     for batch in scheduled(executor, prepared):
@@ -110,7 +110,7 @@ def batches(executor, seed: int, count: int) -> dict:
                 "builds": builds,
                 "same": [same_readouts(t, alone[i]) for i, t in pairs],
                 "gap": max(largest_gap(t, alone[i]) for i, t in pairs),
-                "same_as_stacked": [same_readouts(t, stacks[i]) for i, t in pairs],
+                "same_as_twice": [same_readouts(t, twins[i]) for i, t in pairs],
                 # the heads and finishing too: readouts the same, answers other would point there
                 "same_answers": [
                     answer(executor, prepared[i], t) == answer(executor, prepared[i], alone[i])
@@ -125,7 +125,7 @@ def table(record: dict) -> str:
     """One line a batch: its requests, images, times against the sum alone, bytes the same."""
     lines = [
         "| requests | images | first ms | warm ms | alone ms (sum) | builds | same bytes | gap "
-        "| as stacked alone | same answers |",
+        "| as batched with itself | same answers |",
         "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- |",
     ]
     for b in record["batches"]:
@@ -134,15 +134,15 @@ def table(record: dict) -> str:
             f"| {b['requests']} | {b['images']} | {b['ms'][0]:.1f} | "
             f"{statistics.median(b['ms'][1:]):.1f} | {b['alone_ms']:.1f} | {b['builds']} | "
             f"{same}/{len(b['same'])} | {b['gap']:.2g} | "
-            f"{sum(b['same_as_stacked'])}/{len(b['same'])} | "
+            f"{sum(b['same_as_twice'])}/{len(b['same'])} | "
             f"{sum(b['same_answers'])}/{len(b['same'])} |"
         )
     requests = record["requests"]
     repeatable = sum(r["repeatable"] for r in requests)
-    two = sum(r["two_prefixes_same"] for r in requests)
-    gap = max(r["two_prefixes_gap"] for r in requests)
+    two = sum(r["twice_same"] for r in requests)
+    gap = max(r["twice_gap"] for r in requests)
     lines.append(f"alone twice, the same bytes: {repeatable}/{len(requests)}")
-    lines.append(f"its prefix stacked twice, the same bytes: {two}/{len(requests)} (gap {gap:.2g})")
+    lines.append(f"batched with itself, the same bytes: {two}/{len(requests)} (gap {gap:.2g})")
     return "\n".join(lines)
 
 
@@ -150,7 +150,7 @@ def requests_table(record: dict) -> str:
     """One line a request alone: what it asks, its passes, its times and builds."""
     lines = [
         "| request | questions | rows | prefix tokens | passes | token slots | first ms "
-        "| warm ms | builds | again same | two prefixes same |",
+        "| warm ms | builds | again same | with itself same |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for i, r in enumerate(record["requests"]):
@@ -158,6 +158,6 @@ def requests_table(record: dict) -> str:
             f"| {i} | {r['questions']} | {r['rows']} | {r['prefix_tokens']} | {r['passes']} | "
             f"{r['slots']} | "
             f"{r['ms'][0]:.1f} | {statistics.median(r['ms'][1:]):.1f} | {r['builds']} | "
-            f"{r['repeatable']} | {r['two_prefixes_same']} |"
+            f"{r['repeatable']} | {r['twice_same']} |"
         )
     return "\n".join(lines)

@@ -2,8 +2,9 @@
 # One tree served on one GPU over HTTP (4b synthetic checkpoint, BF16, torch backend, prefix cache
 # off) under the traffic suite, for comparing two trees on one machine in turns: its start to
 # /health 200, the mixed suite and its held-out stream at one client, the 12-question
-# 1920x1080 JPEG and 1-question 1920x1080 PNG requests, 16 clients, then the worker's shape
-# builds by phase and its GPU memory from /metrics. TREE is this tree (.) or another revision's
+# 1920x1080 JPEG and 1-question 1920x1080 PNG requests, the suite at 1, 4, 16 and 64 clients
+# (GPU busy sampled), then the worker's shape builds by phase, its passes and its GPU memory from
+# /metrics; RESTART=1 starts it once more, with the caches the first start left. TREE is this tree (.) or another revision's
 # files (`git archive REV | tar x -C .before`, carried); the load driver is always this tree's.
 # With `check`, bench.packed_check runs last, in process (shape builds, bytes alone and together).
 #   bash bench/serve_ab.sh TREE NAME OUTDIR [check]
@@ -46,11 +47,31 @@ load mixed-c1 --clients 1 --requests 100 --warm-up 8
 load q12-jpeg --clients 1 --requests 20 --questions 12 --image-size 1920x1080 --format jpeg
 load q1-png --clients 1 --requests 20 --questions 1 --image-size 1920x1080 --format png
 load heldout-c1 --clients 1 --requests 60 --held-out
-load mixed-c16 --clients 16 --requests 120
-curl -s $url/metrics | grep -E "^omnijev_shape_build|^omnijev_cuda_memory" | tee "$out/$name-metrics.txt"
-nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee -a "$out/$name-metrics.txt"
+curl -s $url/metrics > "$out/$name-metrics-before.txt"
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 \
+  > "$out/$name-gpu-busy.csv" &
+smi=$!
+# the same suite requests at 1, 4, 16 and 64 clients in turn: requests/s, p50/p99, and whether
+# every request's answers are the same bytes in every run (alone, and batched under load)
+load clients --clients 1,4,16,64 --requests ${CLIENT_REQUESTS:-300}
+kill $smi
+curl -s $url/metrics > "$out/$name-metrics.txt"
+grep -E "^omnijev_(shape_build|cuda_memory|packed|pass_|device_busy)" "$out/$name-metrics.txt" | tee -a "$out/log.txt"
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee -a "$out/log.txt"
 kill $server; wait $server 2> /dev/null
 log "$name: served"
+if [[ ${RESTART:-0} == 1 ]]; then  # a second start, with the engine directory's caches now
+  (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree exec python3 -m runtime.cli serve \
+    --checkpoint "$ck" --engines "$en" --port 8000 --prefix-cache 0 --backend torch \
+    > "$out/$name-server2.log" 2>&1) &
+  server=$!; started=$SECONDS
+  until curl -sf $url/health > /dev/null; do
+    kill -0 $server 2> /dev/null || { log "$name: the second start exited"; break; }
+    sleep 0.5
+  done
+  log "$name: ready again in $((SECONDS - started)) s (caches)"
+  kill $server; wait $server 2> /dev/null
+fi
 if [[ ${4:-} == check ]]; then
   log "$name: check"
   (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree timeout ${CHECK_S:-120} python3 -m bench.packed_check \

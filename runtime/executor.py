@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import time
+from collections import deque
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -21,9 +22,10 @@ import torch
 
 from runtime import packing, passes
 from runtime.backends import Backend, choose_backend
-from runtime.batch import batch_size, merged, same_readouts, split
+from runtime.batch import batch_size, merged, same_readouts
 from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
+from runtime.flight import Flight, PassCounts
 from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.packing import PackedPlan
@@ -36,7 +38,7 @@ from runtime.passes import (
     longest_prefix,
     plan,
 )
-from runtime.readouts import HostReadouts, Landing, mlps_behind
+from runtime.readouts import Landing, mlps_behind
 from runtime.run_passes import (
     Choices,
     Dims,
@@ -48,6 +50,10 @@ from runtime.run_passes import (
 )
 from runtime.types import Prepared, QuestionReadout
 from runtime.warm_up import warm_up_companion, warm_up_request
+
+# batches enqueued on the device at once: one running, the next behind it, so that the device
+# never waits for the host between them; more would only queue there, out of later batches' reach
+IN_FLIGHT = 2
 
 log = logging.getLogger("omnijev.executor")
 
@@ -127,6 +133,8 @@ class Executor:
         # requests may run as one batch where the backend's batches keep the bytes
         # (`Capabilities.merges`), unless `check_batches` finds otherwise on this machine
         self.merges = self.backend.capabilities.merges
+        self.passes = PassCounts()  # what the executed passes held (/metrics)
+        self.running: deque[torch.cuda.Event] = deque()  # the device's batches not yet done
 
     # -- a request, top to bottom ---------------------------------------------------------
 
@@ -191,13 +199,17 @@ class Executor:
     def batch_key(self, prepared: Prepared) -> tuple[object, float]:
         """(key, share): the requests of one key run their passes as one batch
         (`readouts_batch`): where a pass reads several image prefixes (the backend's
-        `Capabilities.prefixes`), those whose image prefixes have one pass shape, else those
-        about one image prefix; a request's share of a batch (`runtime.batch.batch_size`)."""
+        `Capabilities.prefixes`), those whose image prefixes have one pass shape (every prefix
+        where their keys are fixed), else those about one image prefix; a request's share of a
+        batch (`runtime.batch.batch_size`)."""
         prefixes = self.backend.capabilities.prefixes
+        work = self.work_of(prepared)
         if not self.merges:
             key: object = None
+        elif self.choices.fixed_prefix_keys:
+            key = ("prefix keys", longest_prefix(work.prefix_length, prepared.image.image_tokens))
         elif prefixes > 1:
-            key = ("prefix shape", self.work_of(prepared).prefix.shape)
+            key = ("prefix shape", work.prefix.shape)
         else:
             key = prepared.image_key
         return key, batch_size(prepared, prefixes)
@@ -205,9 +217,8 @@ class Executor:
     def readouts_batch(self, batch: list[Prepared]) -> list[list[QuestionReadout]]:
         """The readouts of each request of `batch`, of one `batch_key`: their questions in the
         passes of one request (`runtime.batch.merged`), the same bytes as each alone."""
-        if len(batch) == 1:
-            return [self.readouts(batch[0])]
-        return split(self.readouts(*merged(batch)), batch)
+        flight = self.enqueue(batch)
+        return [flight.readouts(index) for index in range(len(batch))]
 
     def check_batches(self) -> bool:
         """Whether requests may run as one batch here: the warm-up request and its companion
@@ -224,44 +235,64 @@ class Executor:
             log.warning("a batch changed the warm-up's readout bytes: every request runs alone")
         return self.merges
 
-    def readouts(
-        self, prepared: Prepared, images: list[Prepared] | None = None
-    ) -> list[QuestionReadout]:
-        """Hidden states and log-probabilities of every question, through the engines. Every
-        pass is enqueued before any readout comes back to the host (one wait, at the end).
-        `images`: for a merged batch, the request of each image prefix its rows read."""
-        work = self.work_of(prepared)
+    def readouts(self, prepared: Prepared) -> list[QuestionReadout]:
+        """Hidden states and log-probabilities of every question, through the engines."""
+        return self.enqueue([prepared]).readouts(0)
+
+    def enqueue(self, batch: list[Prepared]) -> Flight:
+        """Every pass of `batch` (one request, or several of one `batch_key` merged) enqueued on
+        the device, and the copies of their readouts behind them, without waiting: the worker's
+        execution thread goes on to the next batch while the device runs this one, and each
+        request's readouts are taken on its own thread (`Flight.readouts`)."""
+        request, images = (batch[0], None) if len(batch) == 1 else merged(batch)
+        work = self.work_of(request)
         clock = Stopwatch(self.stages, self.stage_sync)
-        every = list(range(len(prepared.layouts)))
+        every = list(range(len(request.layouts)))
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         with torch.inference_mode():
-            states = self.image_states(images or [prepared], clock)
+            states = self.image_states(images or [request], clock)
             if isinstance(work, PackedPlan):
                 reads = self.runner.run_packed_plan(work, *states, clock)
             else:
                 reads = self.runner.run_plan(work, *states, clock)
-            behind = self.mlps_behind(prepared, every, reads)
+            behind = self.mlps_behind(request, every, reads)
             outputs = behind.outputs if behind is not None else None
             landing = Landing.enqueue(reads, self.device, outputs)
-        landing.wait()  # the next request's passes may enqueue meanwhile
-        with torch.inference_mode():
-            taken = HostReadouts()
-            landing.into(taken)
-            clock.lap("readouts")
-        collected = taken.collect(prepared, every)
-        if behind is not None:
-            behind.hand_out(every, collected, landing.mlps)
-        return collected
+        self.passes.count(work, len(batch))
+        if landing.event is not None:
+            self.running.append(landing.event)
+        return Flight(request, batch, landing, behind, clock, self.passes, started)
+
+    def room(self) -> None:
+        """Returns once fewer than IN_FLIGHT batches are still running on the device: the
+        worker waits here before it forms the next batch, so that requests arriving while the
+        device is busy join that batch instead of queueing behind it on the device."""
+        while self.running and self.running[0].query():
+            self.running.popleft()
+        while len(self.running) >= IN_FLIGHT:
+            self.running.popleft().synchronize()
 
     def image_states(self, images: list[Prepared], clock: Stopwatch) -> tuple[State, State]:
         """(prefix, after prefix) states of each request's image (`ImagePrefix.states`), stacked
         where there are several (the rows read theirs by `Pass.prefix_rows` and `src`)."""
         made = [self.image_state(p, clock) for p in images]
-        if len(made) == 1:
+        slots = self.prefix_slots(len(made))
+        if slots == 1:
             return made[0]
-        # a pass's shape includes its prefix count, and each shape is a CUDA graph of its own:
-        # counts of a power of two (the first prefix again, which no row reads) keep them few
-        made += [made[0]] * (batch_bucket(len(made), MAX_PREFIXES) - len(made))
+        made += [made[0]] * (slots - len(made))  # the first prefix again, which no row reads
         return stack_prefixes([m[0] for m in made]), stack_prefixes([m[1] for m in made])
+
+    def prefix_slots(self, count: int) -> int:
+        """The image prefixes a pass of `count` images reads. A pass's shape includes its
+        prefix count, and each shape is a CUDA graph of its own: where prefix keys are fixed
+        (one graph a packed size) every pass reads the backend's `prefixes`, a lone request's
+        too; elsewhere counts of a power of two keep the shapes few."""
+        if self.choices.fixed_prefix_keys:
+            return self.backend.capabilities.prefixes
+        return 1 if count == 1 else batch_bucket(count, MAX_PREFIXES)
 
     def image_state(self, prepared: Prepared, clock: Stopwatch) -> tuple[State, State]:
         """(prefix, after prefix) states of a request's image, the prefix padded to the longest
@@ -341,7 +372,7 @@ class Executor:
             for length in range(shortest, longest + 1, PREFIX_STEP):
                 for _ in range(2):
                     self.runner.run_prefix(passes.empty_pass(1, length), dummy)
-            states = self.image_state(prepared, Stopwatch(self.stages))
+            states = self.image_states([prepared], Stopwatch(self.stages))
             for size in packing.PACK_SIZES:
                 for _ in range(2):
                     self.runner.run_packed(packing.empty_pass(size), *states)

@@ -115,7 +115,7 @@ class Landing:
         if not cuda:
             return cls(reads, pairs, hosted, None)
         copies = [(pinned_copy(hidden), pinned_copy(logprobs)) for hidden, logprobs in pairs]
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)  # Flight: device busy time
         event.record()
         return cls(reads, copies, hosted, event)
 

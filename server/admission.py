@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 ADMITTED = 16  # docs/contract.md §1.6
 PREPARING = 2  # docs/contract.md §1.6
-# threads for heads, finishing and the response JSON of executed requests (issue 13): one runs
-# beside each execution, a second covers a request answered while the previous one still is
-RESPONDING = 2
+# threads that wait for an executed batch's readouts, then run heads, finishing and the response
+# JSON (issue 13): a batch's requests each take one while the next batch's passes run
+RESPONDING = 4
 # a batch holds at most one largest request's worth (the sizes the engine gives sum to at most
 # this): its passes and memory stay within what a single request may ask
 BATCH_MOST = 1.0
@@ -72,6 +72,8 @@ class Scheduler:
     Every method runs on the event loop; the work itself runs in the scheduler's own threads.
     `batch_wait_s`: how long the oldest waiting request waits for others of its key when it
     reaches the execution thread with none (0: it runs at once, so one client is never slowed).
+    `room`: run on the execution thread before each batch is formed, it returns once the device
+    can take another batch (the engine's `room`): requests that arrive meanwhile join that batch.
     """
 
     def __init__(
@@ -80,11 +82,13 @@ class Scheduler:
         preparing: int = PREPARING,
         responding: int = RESPONDING,
         batch_wait_s: float = 0.0,
+        room: Callable[[], None] | None = None,
     ) -> None:
         self.limit = admitted
         self.admitted = 0
         self.preparing = 0
         self.batch_wait_s = batch_wait_s
+        self.room = room
         self.batches: Counter[int] = Counter()  # executed batches by their number of requests
         self._tasks: set[asyncio.Task[Any]] = set()
         self._prepare_slots = asyncio.Semaphore(preparing)
@@ -163,7 +167,10 @@ class Scheduler:
 
     async def _execute_queue(self) -> None:
         """Take batches off the queue and run them, one at a time, until it is empty."""
+        loop = asyncio.get_running_loop()
         while self._queue:
+            if self.room is not None:
+                await loop.run_in_executor(self._execute_pool, self.room)
             batch = await self._next_batch()
             if batch:
                 await self._run_batch(batch)

@@ -108,8 +108,9 @@ class Engine(Protocol):
 
     model_id: str
     # whether `execute` is split in two (runtime.executor.Executor's is):
-    # `readouts_batch(batch)`, the model's passes of several prepared requests at once (a list
-    # of readouts, one per request), which hold the execution thread; `batch_key(prepared)`,
+    # `enqueue(batch)`, the model's passes of several prepared requests at once, enqueued on
+    # the execution thread, which goes on to the next batch; the flight it gives waits for
+    # them on a responding thread (`Flight.readouts(index)`, each request's); `batch_key(prepared)`,
     # the key of the requests it may run as one batch (None: alone) and the request's share of
     # a batch (runtime.executor.Executor.batch_key); and `respond(prepared, readouts, seconds)`,
     # heads and finishing (`seconds`: the passes' time), which the worker runs beside the next
@@ -489,18 +490,21 @@ class Worker:
             response = await self.scheduler.execute(ticket, self.engine.execute, prepared)
             return encode(answer(response))
         key, size = self.engine.batch_key(prepared)  # type: ignore[attr-defined]
-        passes = await self.scheduler.execute_batched(ticket, self._readouts, prepared, key, size)
-        return await self.scheduler.respond(ticket, self._respond, (prepared, *passes, answer))
+        flight = await self.scheduler.execute_batched(ticket, self._enqueue, prepared, key, size)
+        return await self.scheduler.respond(ticket, self._respond, (prepared, *flight, answer))
 
-    def _readouts(self, batch: list[Prepared]) -> list[tuple[Any, float]]:
-        """Each request's readouts and the seconds its batch's passes took."""
+    def _enqueue(self, batch: list[Prepared]) -> list[tuple[Any, int, float]]:
+        """Each request's (flight, place in it, when its batch started): the batch's passes
+        enqueued, not waited for."""
         started = time.perf_counter()
-        made = self.engine.readouts_batch(batch)  # type: ignore[attr-defined]
-        seconds = time.perf_counter() - started
-        return [(readouts, seconds) for readouts in made]
+        flight = self.engine.enqueue(batch)  # type: ignore[attr-defined]
+        return [(flight, index, started) for index in range(len(batch))]
 
-    def _respond(self, work: tuple[Prepared, Any, float, Callable[[dict], dict]]) -> bytes:
-        prepared, readouts, seconds, answer = work
+    def _respond(self, work: tuple[Prepared, Any, int, float, Callable[[dict], dict]]) -> bytes:
+        """A request's readouts once its batch has landed, then its heads and finishing."""
+        prepared, flight, index, started, answer = work
+        readouts = flight.readouts(index)
+        seconds = time.perf_counter() - started
         return encode(answer(self.engine.respond(prepared, readouts, seconds)))  # type: ignore[attr-defined]
 
 
@@ -548,7 +552,8 @@ def create_app(
     `{"detail": "the worker is warming up"}` with `Retry-After: 1`; then `/health` answers 200
     `{"status": "ready", "model": engine.model_id}`. Shutdown lets admitted work finish.
     """
-    scheduler = Scheduler(admitted, preparing, batch_wait_s=batch_wait_s)
+    room = getattr(engine, "room", None)  # the executor's: the device can take another batch
+    scheduler = Scheduler(admitted, preparing, batch_wait_s=batch_wait_s, room=room)
     worker = Worker(engine, scheduler, warm_ups)
     metrics = Metrics(scheduler, engine, lambda: worker.warm_up_builds)
     slots = Uploads(uploads)

@@ -116,6 +116,7 @@ class Metrics:
         registry.register(CudaMemory())
         registry.register(PrefixCache(engine))
         registry.register(Batches(scheduler))
+        registry.register(Passes(engine))
         registry.register(ShapeBuilds(engine, warm_up_builds))
 
     def render(self) -> bytes:
@@ -203,6 +204,41 @@ class Batches:
         )
         family.add_metric([], buckets, total)
         return [family]
+
+
+# what the executed passes held (runtime.flight.PassCounts): name, help, its attribute
+PASS_COUNTERS = (
+    ("omnijev_pass_batches", "batches of requests executed as one", "batches"),
+    ("omnijev_pass_requests", "requests in the executed batches", "requests"),
+    ("omnijev_packed_passes", "packed passes run", "passes"),
+    ("omnijev_packed_token_slots", "token slots of the packed passes run", "slots"),
+    ("omnijev_packed_tokens", "token slots holding a token (the rest padding)", "tokens"),
+    ("omnijev_packed_rows", "rows (question texts and options) of the packed passes", "rows"),
+    ("omnijev_device_busy_seconds", "seconds the device held a batch's work", "device_seconds"),
+)
+
+
+class Passes:
+    """What the engine's passes held, where it counts them: rows and requests a pass and the
+    share of token slots filled are ratios of these counters; the device's busy share is the
+    rate of `omnijev_device_busy_seconds`."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list[CounterMetricFamily]:
+        counts = getattr(self.engine, "passes", None)
+        if counts is None:
+            return []
+        families = []
+        for name, text, attribute in PASS_COUNTERS:
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], getattr(counts, attribute))
+            families.append(family)
+        return families
 
 
 class ShapeBuilds:

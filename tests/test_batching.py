@@ -334,13 +334,13 @@ def test_a_merged_plan_gives_each_question_its_rows_alone(executor) -> None:
 
 def test_the_batch_measurement_finds_every_byte_kept_where_it_is(executor) -> None:
     """`bench.gpu batches`' comparison, on the CPU where batches keep every byte: the bench's
-    requests (one image) alone, again, with a stacked prefix, and in one batch."""
+    requests (one image) alone, again, batched with itself, and in one batch."""
     from bench.batches import batches, requests_table, table
 
     record = batches(executor, 0, 0)
-    assert all(r["repeatable"] and r["two_prefixes_same"] for r in record["requests"])
+    assert all(r["repeatable"] and r["twice_same"] for r in record["requests"])
     assert all(0 < r["tokens"] <= r["slots"] for r in record["requests"])
     assert record["batches"] and all(all(b["same"]) for b in record["batches"])
-    assert all(b["gap"] == 0 and all(b["same_as_stacked"]) for b in record["batches"])
+    assert all(b["gap"] == 0 and all(b["same_as_twice"]) for b in record["batches"])
     assert all(all(b["same_answers"]) for b in record["batches"])
     assert "same bytes" in table(record) and "| prefix tokens |" in requests_table(record)

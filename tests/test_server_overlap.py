@@ -20,6 +20,16 @@ from tests.server_helpers import (
 from tests.test_server import post, until
 
 
+class Landed:
+    """A flight already landed (runtime.flight.Flight's `readouts`)."""
+
+    def __init__(self, made: list) -> None:
+        self.made = made
+
+    def readouts(self, index: int) -> list:
+        return self.made[index]
+
+
 class SplitEngine(RealishEngine):
     """RealishEngine with `readouts` and `respond`; `respond` of a held request waits for the
     test (the warm-up's excepted), and every call is recorded with its thread."""
@@ -47,10 +57,10 @@ class SplitEngine(RealishEngine):
     def build_shapes(self) -> int:
         return 0  # nothing to build before ready
 
-    def readouts_batch(self, batch: list[Prepared]) -> list[list[int]]:
+    def enqueue(self, batch: list[Prepared]) -> Landed:
         (prepared,) = batch
         self.record("readouts", prepared)
-        return [[len(layout.rows) for layout in prepared.layouts]]
+        return Landed([[len(layout.rows) for layout in prepared.layouts]])
 
     def respond(self, prepared: Prepared, readouts: list[int], seconds: float) -> dict:
         self.record("respond", prepared)

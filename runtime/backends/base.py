@@ -39,9 +39,9 @@ class Capabilities:
     # therefore declare
     prefixes: int = MAX_PREFIXES
     # requests of several clients may share passes (runtime.batch): shown to keep every answer's
-    # bytes on this backend and device. On the CPU they are (tests/test_batching.py); the torch
-    # backend's batches on a GPU changed answers (docs/performance.md), and the portable engines'
-    # on a GPU were never measured, so requests run alone there
+    # bytes on this backend and device. The torch backend's packed passes do, on the CPU and
+    # the GPU (a row's arithmetic never follows its pass); the portable engines' rectangles on a
+    # GPU were never measured, so requests run alone there
     merges: bool = False
 
 

@@ -67,6 +67,10 @@ VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made
 # shapes alone, so readout counts (which vary with the questions asked) add no graph or memory
 READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens", "target_slots")
 READOUT_OUTPUTS = ("hidden", "logprobs")
+# the image prefixes every captured packed pass reads (one graph a packed size, whatever the
+# batch): up to four requests' rows share a pass; a lone request's pass reads its own prefix
+# among three unread copies of it (about 70 MB a prefix on the 4b, copied in before the pass)
+GRAPH_PREFIXES = 4
 
 
 def versions() -> dict[str, str | None]:
@@ -295,8 +299,10 @@ class TorchBackend:
             padded_targets=False,  # `readout` pads the targets to its READOUT_PIECE rows itself
             asynchronous=cuda,
             # a packed row reads its own prefix's keys in place, whatever the others' prefixes
-            prefixes=MAX_PREFIXES,
-            merges=not cuda,
+            prefixes=GRAPH_PREFIXES if graphs else MAX_PREFIXES,
+            # a packed row's bytes never follow its pass (runtime.model.packed), on the GPU too:
+            # the worker still checks a batch before ready (Executor.check_batches)
+            merges=True,
             packed=True,
             # one packed graph a size, not one a size and prefix length besides: a masked key's
             # weight is an exact zero in the packed attention
