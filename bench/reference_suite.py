@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         made = traffic.request(args.seed, index, "suite", QUESTIONS)
         times = timed(reference.answer, made.body, args.runs)
         rows.append(
-            {"index": index, "size": list(made.size), "format": made.format, "ms": times,
-             "median_ms": statistics.median(times)}  # fmt: skip
+            {
+                "index": index,
+                "size": list(made.size),
+                "format": made.format,
+                "ms": times,
+                "median_ms": statistics.median(times),
+            }  # fmt: skip
         )
         print(f"| {index} | {made.size[0]}x{made.size[1]} {made.format} | "
               f"{statistics.median(times):.1f} ms |", flush=True)  # fmt: skip
