@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -130,6 +132,51 @@ def test_a_lone_request_waits_for_company_only_when_asked() -> None:
     assert asyncio.run(scenario(0.5)) == [["a", "b"]]
 
 
+def test_requests_queued_while_room_waits_join_the_next_batch() -> None:
+    """`room` (the executor's: the device can take another batch) runs on the execution thread
+    before each batch is formed; the requests that arrive while it waits join that batch."""
+    calls: list[tuple[str, object, str]] = []  # ("room" | "batch", args, thread name)
+    entered, release = threading.Event(), threading.Event()
+
+    def room() -> None:
+        calls.append(("room", None, threading.current_thread().name))
+        entered.set()
+        if not release.is_set():
+            assert release.wait(HOLD_S), "room was never released"
+
+    def run(args: list[str]) -> list[str]:
+        calls.append(("batch", list(args), threading.current_thread().name))
+        return [arg.upper() for arg in args]
+
+    async def scenario() -> list:
+        scheduler = Scheduler(room=room)
+        work = [("a", "x"), ("b", "x"), ("c", "x"), ("d", None)]
+        first = scheduler.execute_batched(Ticket(), run, "a", "x", 0.1)
+        futures = [asyncio.ensure_future(first)]
+        await asyncio.to_thread(entered.wait, HOLD_S)  # the execution thread is in room
+        for arg, key in work[1:]:
+            futures.append(
+                asyncio.ensure_future(scheduler.execute_batched(Ticket(), run, arg, key, 0.1))
+            )
+        await asyncio.sleep(0.05)
+        # nothing has run, and the first request is still queued: no batch is formed yet
+        assert [c for c in calls if c[0] == "batch"] == [] and scheduler.waiting == 4
+        release.set()
+        results = await asyncio.gather(*futures)
+        await scheduler.close()
+        return results
+
+    assert asyncio.run(scenario()) == ["A", "B", "C", "D"]
+    assert [(stage, args) for stage, args, _ in calls] == [
+        ("room", None),
+        ("batch", ["a", "b", "c"]),
+        ("room", None),
+        ("batch", ["d"]),  # a None key never joins
+    ]
+    assert all(thread.startswith("omnijev-execute") for _, _, thread in calls)
+    assert len({thread for _, _, thread in calls}) == 1
+
+
 # -- the executor: the same bytes alone and batched ------------------------------------------
 
 
@@ -145,6 +192,13 @@ def executor(engines):
     return load_engine(str(engines[0]), str(engines[1]), "onnxruntime")
 
 
+@pytest.fixture(scope="module")
+def torch_executor(engines):
+    from runtime.executor import load_engine
+
+    return load_engine(str(engines[0]), str(engines[1]), "torch")
+
+
 def question_sets() -> list[dict]:
     """Requests about one image with different questions: 1, 3 and 12 questions, all types,
     some with the same question ids as another request."""
@@ -154,12 +208,11 @@ def question_sets() -> list[dict]:
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
-def test_batched_readouts_are_the_bytes_of_each_request_alone(engines, executor, backend) -> None:
-    from runtime.executor import load_engine
+def test_batched_readouts_are_the_bytes_of_each_request_alone(request, executor, backend) -> None:
     from runtime.strict_json import parse_body
 
-    if backend != "onnxruntime":
-        executor = load_engine(str(engines[0]), str(engines[1]), backend)
+    if backend == "torch":
+        executor = request.getfixturevalue("torch_executor")
     # three images of one prefix shape (two of one size), requests about each: three prefixes
     # a pass, the second image's asked about first after the first's
     images = [pattern_png(320, 224), encode(photo_image(320, 224, 3), "PNG")]
@@ -245,42 +298,193 @@ def metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_concurrent_requests_answer_as_each_alone_over_http(executor) -> None:
-    """Distinct requests sent at once (most about one image, one about another) through the
-    worker with a batch wait, so that they batch; each answer is the bytes it has alone."""
-    image, other = pattern_png(320, 224), pattern_png(224, 320)
-    bodies = [request_body(image, questions, "image/png") for questions in question_sets()]
-    bodies.append(request_body(other, gate_questions(), "image/png"))
-    with ThreadServer(executor, batch_wait_s=0.5) as server:
-        wait_ready(server.url)
-        url = server.url + "/v1/systemone"
+def batch_counts(url: str) -> tuple[float, float]:
+    """The executed batches so far and the requests they held (the batch-requests histogram)."""
+    text = httpx.get(url + "/metrics").text
+    return metric(text, "omnijev_batch_requests_count"), metric(text, "omnijev_batch_requests_sum")
+
+
+def poster(url: str) -> Callable[[bytes], httpx.Response]:
+    def post(body: bytes) -> httpx.Response:
         headers = {"content-type": "application/json"}
+        return httpx.post(url + "/v1/systemone", content=body, headers=headers, timeout=60)
 
-        def post(body: bytes) -> httpx.Response:
-            return httpx.post(url, content=body, headers=headers, timeout=60)
+    return post
 
-        def batches() -> tuple[float, float]:
-            text = httpx.get(server.url + "/metrics").text
-            return (
-                metric(text, "omnijev_batch_requests_count"),
-                metric(text, "omnijev_batch_requests_sum"),
-            )
 
-        warmed = batches()
+def until_queued(url: str, count: int) -> None:
+    """Waits until `count` prepared requests wait for the execution thread."""
+    deadline = time.monotonic() + HOLD_S
+    while metric(httpx.get(url + "/metrics").text, "omnijev_queue_depth") < count:
+        assert time.monotonic() < deadline, f"{count} requests never queued"
+        time.sleep(0.02)
+
+
+def answer_bytes(response: httpx.Response) -> str:
+    """A 200 answer without its latency fields, as compared byte for byte."""
+    assert response.status_code == 200, response.text
+    return json.dumps(without_latency(response.json()))
+
+
+def assert_batched_as_alone(engine, bodies: list[bytes]) -> None:
+    """`bodies` sent at once through the worker with a batch wait, so that they batch, then each
+    alone: fewer batches than requests, and each answer the bytes it has alone."""
+    with ThreadServer(engine, batch_wait_s=0.5) as server:
+        wait_ready(server.url)
+        post = poster(server.url)
+        warmed = batch_counts(server.url)
         with ThreadPoolExecutor(len(bodies)) as pool:
             together = list(pool.map(post, bodies))
-        served = batches()
+        served = batch_counts(server.url)
         alone = [post(body) for body in bodies]
     # the warm-up: its request alone, the batch check (the request with its companion), then
     # the common pass shapes noted for building (none on the CPU), each a turn of the thread
-    assert warmed == (3, 3) and executor.merges
-    assert [r.status_code for r in together] == [200] * len(bodies)
-    for batched, single in zip(together, alone, strict=True):
-        assert json.dumps(without_latency(batched.json())) == json.dumps(
-            without_latency(single.json())
-        )
+    assert warmed == (3, 3) and engine.merges
+    assert [answer_bytes(r) for r in together] == [answer_bytes(r) for r in alone]
     count, requests = (b - a for a, b in zip(warmed, served, strict=True))
     assert requests == len(bodies) and count < len(bodies), "no two requests shared a batch"
+
+
+def test_concurrent_requests_answer_as_each_alone_over_http(executor) -> None:
+    """Distinct requests (most about one image, one about another) through the worker on ONNX
+    Runtime: batched, each answer is the bytes it has alone."""
+    image, other = pattern_png(320, 224), pattern_png(224, 320)
+    bodies = [request_body(image, questions, "image/png") for questions in question_sets()]
+    bodies.append(request_body(other, gate_questions(), "image/png"))
+    assert_batched_as_alone(executor, bodies)
+
+
+def test_concurrent_requests_answer_as_each_alone_over_http_on_torch(torch_executor) -> None:
+    """The same through the torch backend (the GPU's), its packed passes on the CPU: distinct
+    images and question sets, batched, each answer the bytes it has alone."""
+    images = [pattern_png(320, 224), encode(photo_image(320, 224, 3), "PNG")]
+    images.append(pattern_png(224, 320))
+    bodies = [
+        request_body(images[i], questions, "image/png")
+        for i, questions in zip((0, 1, 2, 1), question_sets(), strict=True)
+    ]
+    bodies.append(request_body(images[2], gate_questions(), "image/png"))
+    assert_batched_as_alone(torch_executor, bodies)
+
+
+MARK = "fail inside the batch"  # a question's instructions that make `Failing` fail
+
+
+def marked(prepared) -> bool:
+    return any(q.instructions == MARK for q in prepared.questions)
+
+
+def failing_executor(engines, base, stage: str):
+    """The real executor (on `base`'s loaded backend) that raises in `stage` ("respond": that
+    request's heads, on its responding thread; "enqueue": its batch's passes, on the execution
+    thread) for a request marked with MARK; it records each batch it enqueues (each request's
+    first question id), and once `hold` is set its execution thread waits in `room` until
+    `go` is set, so that the test decides which requests share a batch."""
+    from runtime.config import RuntimeConfig
+    from runtime.executor import Executor
+
+    class Failing(Executor):
+        def __init__(self, *args, **kwargs) -> None:
+            self.batches: list[list[str]] = []
+            self.hold, self.go = threading.Event(), threading.Event()
+            super().__init__(*args, **kwargs)
+
+        def room(self) -> None:
+            super().room()
+            if self.hold.is_set():
+                assert self.go.wait(HOLD_S), "the held batch was never let go"
+
+        def enqueue(self, batch):
+            self.batches.append([prepared.questions[0].id for prepared in batch])
+            if stage == "enqueue" and any(map(marked, batch)):
+                raise RuntimeError("the test asked the batch's passes to fail")
+            return super().enqueue(batch)
+
+        def respond(self, prepared, readouts, seconds):
+            if stage == "respond" and marked(prepared):
+                raise RuntimeError("the test asked respond to fail")
+            return super().respond(prepared, readouts, seconds)
+
+    config = RuntimeConfig.from_env(backend=base.config.backend)
+    return Failing(engines[0], engines[1], config, backend=base.backend)
+
+
+@pytest.mark.parametrize("stage", ["respond", "enqueue"])
+def test_a_request_failing_inside_a_batch_fails_alone_over_http(
+    engines, torch_executor, stage
+) -> None:
+    """A request whose heads (or whose batch's passes) fail, in one batch with others on the
+    torch backend: it alone answers 500, the others the bytes they have alone."""
+    failing = failing_executor(engines, torch_executor, stage)
+    image = pattern_png(320, 224)
+    sets = question_sets()[:3]
+    bad = request_body(image, {"marked": {"type": "noul", "instructions": MARK}}, "image/png")
+    bodies = [request_body(image, questions, "image/png") for questions in sets]
+    bodies.insert(1, bad)
+    with ThreadServer(failing, batch_wait_s=0.5) as server:
+        wait_ready(server.url)
+        post = poster(server.url)
+        warmed = batch_counts(server.url)
+        failing.hold.set()  # every request waits in the queue until all are there
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            sent = [pool.submit(post, body) for body in bodies]
+            until_queued(server.url, len(bodies))
+            failing.go.set()
+            together = [future.result() for future in sent]
+        served = batch_counts(server.url)
+        alone = [post(body) for body in bodies]
+    count, requests = (b - a for a, b in zip(warmed, served, strict=True))
+    assert (count, requests) == (1, len(bodies))  # one batch held the four
+    firsts = sorted([next(iter(questions)) for questions in sets] + ["marked"])
+    shared = [sorted(batch) for batch in failing.batches].index(firsts)  # ValueError: none did
+    for response in (together[1], alone[1]):
+        assert response.status_code == 500 and response.json() == {"detail": "inference failed"}
+    kept = [0, 2, 3]
+    assert [answer_bytes(together[i]) for i in kept] == [answer_bytes(alone[i]) for i in kept]
+    if stage == "enqueue":  # the batch failed as a whole, then ran a request at a time
+        again = failing.batches[shared + 1 : shared + 1 + len(bodies)]
+        assert sorted(again) == [[first] for first in firsts]
+
+
+def test_the_pass_counts_on_metrics(torch_executor) -> None:
+    """/metrics counts what the executed passes held: each request sent alone is one batch of
+    one request, and its packed passes, token slots, tokens and rows are its plan's."""
+    from runtime.packing import PackedPlan
+    from runtime.strict_json import parse_body
+
+    names = ("pass_batches", "pass_requests", "packed_passes", "packed_token_slots")
+    names += ("packed_tokens", "packed_rows", "device_busy_seconds")
+    images = [pattern_png(320, 224), pattern_png(224, 320)]
+    bodies = [
+        request_body(image, questions, "image/png")
+        for image, questions in zip(images, question_sets()[1:3], strict=True)
+    ]
+    plans = [torch_executor.work_of(torch_executor.prepare(parse_body(b))) for b in bodies]
+    assert all(isinstance(work, PackedPlan) for work in plans)
+    expected = {
+        "pass_batches": len(bodies),
+        "pass_requests": len(bodies),
+        "packed_passes": sum(len(work.passes) for work in plans),
+        "packed_token_slots": sum(work.slots for work in plans),
+        "packed_tokens": sum(work.tokens for work in plans),
+        "packed_rows": sum(len(p.read_rows) for work in plans for p in work.passes),
+    }
+
+    def counts(url: str) -> dict[str, float]:
+        text = httpx.get(url + "/metrics").text
+        return {name: metric(text, f"omnijev_{name}_total") for name in names}
+
+    with ThreadServer(torch_executor) as server:
+        wait_ready(server.url)
+        before = counts(server.url)
+        assert all(answer_bytes(poster(server.url)(body)) for body in bodies)
+        after = counts(server.url)
+    grown = {name: after[name] - before[name] for name in expected}
+    assert grown == expected
+    assert after["packed_passes"] >= 1 and after["packed_rows"] > 0
+    assert after["packed_token_slots"] >= after["packed_tokens"] > 0
+    assert after["pass_requests"] >= after["pass_batches"] >= 1
+    assert after["device_busy_seconds"] >= before["device_busy_seconds"] >= 0
 
 
 # -- the plan of a merged batch -----------------------------------------------------------------
