@@ -92,3 +92,25 @@ def test_every_answer_is_the_same_bytes_alone_together_in_any_order_and_batched(
     together = Executor.readouts_batch(executor, [other, mine])
     answers = executor.respond(mine, together[1], 0.0)
     assert without_latency(answers) == whole
+
+
+def test_a_packed_pass_products_run_on_blocks_of_one_row_count() -> None:
+    """`in_blocks`: every call of a per-token function sees PRODUCT_ROWS rows, whatever the pass
+    size, and the outputs come back in order, tuples of outputs too."""
+    import torch
+
+    from runtime.model.packed import PRODUCT_ROWS, in_blocks
+
+    seen: list[int] = []
+
+    def twice(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(x.shape[0])
+        return 2 * x, x + y
+
+    x = torch.arange(3 * PRODUCT_ROWS, dtype=torch.float32)[:, None]
+    doubled, summed = in_blocks(twice, x, x)
+    assert seen == [PRODUCT_ROWS] * 3
+    assert torch.equal(doubled, 2 * x) and torch.equal(summed, 2 * x)
+    assert all(size % PRODUCT_ROWS == 0 for size in packing.PACK_SIZES)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        in_blocks(twice, x[:200], x[:200])

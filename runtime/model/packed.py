@@ -29,6 +29,11 @@ TEXT_ROWS = 64
 ROW_TABLES = ("row_start", "row_length", "row_parent", "row_prefix")
 # and of its per-token inputs (int64 [N], positions [3, N])
 TOKEN_INPUTS = ("input_ids", "positions", "token_row", "token_step")
+# the rows every matrix product of a packed pass takes at once (each pass size a multiple): the
+# BLAS library picks its kernel, and with it the order of a row's sums, by the row count, and on
+# the H200 two counts from 256 to 8,192 gave a row other bytes (on the H100 none did); products
+# of one row count give a row its bytes whatever the pass size
+PRODUCT_ROWS = 128
 
 
 class Rows(NamedTuple):
@@ -179,10 +184,24 @@ def enumerate_rows(rows: Rows) -> list[tuple[int, tuple[int, int, int, int]]]:
 # -- one layer of each kind, and the pass ---------------------------------------------------
 
 
+def in_blocks(fn, *xs: torch.Tensor):
+    """`fn(*xs)` of a function of each token alone (projections, the MLP), over PRODUCT_ROWS
+    tokens at a time: its products never see another row count."""
+    n = xs[0].shape[0]
+    if n <= PRODUCT_ROWS:
+        return fn(*xs)
+    if n % PRODUCT_ROWS:
+        raise ValueError(f"a packed pass's tokens are a multiple of {PRODUCT_ROWS}, got {n}")
+    made = [fn(*parts) for parts in zip(*(x.split(PRODUCT_ROWS) for x in xs), strict=True)]
+    if isinstance(made[0], torch.Tensor):
+        return torch.cat(made)
+    return [torch.cat(outputs) for outputs in zip(*made, strict=True)]
+
+
 def attention_layer(layer, h, cos, sin, rows: Rows, prefix_k, prefix_v, prefix_mask):
     """One attention decoder layer over the packed tokens h [N, D]."""
     attn = layer.self_attn
-    q, gate, k, v = attn.project(layer.input_layernorm(h))
+    q, gate, k, v = in_blocks(attn.project, layer.input_layernorm(h))
     n = h.shape[0]
     q = attn.q_norm(q)  # [N, H, hd]
     k = attn.k_norm(k.reshape(n, attn.kv_heads, attn.head_dim))
@@ -191,14 +210,14 @@ def attention_layer(layer, h, cos, sin, rows: Rows, prefix_k, prefix_v, prefix_m
     k = apply_rotary(k.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
     attend = getattr(attn, "packed_attend", packed_attention_eager)
     mixed = attend(q, k, v, prefix_k, prefix_v, prefix_mask, rows, attn.head_dim**-0.5)
-    h = h + attn.output(mixed, gate)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    h = h + in_blocks(attn.output, mixed, gate)
+    return h + in_blocks(layer.mlp, layer.post_attention_layernorm(h))
 
 
 def delta_layer(layer, h, rows: Rows, sources, conv_past, rec_past):
     """One Gated DeltaNet decoder layer over the packed tokens h [N, D]."""
     delta = layer.linear_attn
-    raw, z, beta_raw, a = delta.project(layer.input_layernorm(h))
+    raw, z, beta_raw, a = in_blocks(delta.project, layer.input_layernorm(h))
     n = h.shape[0]
     mixed = packed_conv(raw, conv_past, delta.taps(), sources)
     key_width = delta.k_heads * delta.dk
@@ -218,8 +237,8 @@ def delta_layer(layer, h, rows: Rows, sources, conv_past, rec_past):
     )
     z = z.reshape(n, delta.v_heads, delta.dv)
     y = delta.norm(out.to(raw.dtype), z).reshape(n, delta.v_heads * delta.dv)
-    h = h + delta.output(y)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    h = h + in_blocks(delta.output, y)
+    return h + in_blocks(layer.mlp, layer.post_attention_layernorm(h))
 
 
 PACKED_BLOCKS = {"attention": attention_layer, "delta": delta_layer}
