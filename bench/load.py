@@ -39,12 +39,13 @@ BATCH_METRIC = "omnijev_batch_requests"  # server.metrics: requests per executed
 class Client(threading.Thread):
     """One closed-loop client: takes the next request, posts it, reads the answer, again."""
 
-    def __init__(self, url: str, bodies: list[bytes], take, records: list[dict]):
+    def __init__(self, url: str, bodies: list[bytes], take, records: list[dict], retries: int = 0):
         super().__init__(daemon=True)
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.path = parts.path or "/"
         self.bodies, self.take, self.records = bodies, take, records
+        self.retries = retries  # a 503's Retry-After honoured, as the SDKs do, this many times
 
     def connect(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=TIMEOUT_SECONDS)
@@ -54,17 +55,25 @@ class Client(threading.Thread):
         headers = {"Content-Type": "application/json"}
         while (index := self.take()) is not None:
             started = time.perf_counter()
-            try:
-                connection.request("POST", self.path, self.bodies[index], headers)
-                response = connection.getresponse()
-                payload = response.read()
-                status: int | str = response.status
-            except (OSError, http.client.HTTPException) as error:
-                status, payload = type(error).__name__, b""
-                connection.close()
-                connection = self.connect()
+            retried = 0
+            while True:
+                try:
+                    connection.request("POST", self.path, self.bodies[index], headers)
+                    response = connection.getresponse()
+                    payload = response.read()
+                    status: int | str = response.status
+                    wait = response.getheader("Retry-After")
+                except (OSError, http.client.HTTPException) as error:
+                    status, payload, wait = type(error).__name__, b"", None
+                    connection.close()
+                    connection = self.connect()
+                if status != 503 or wait is None or retried >= self.retries:
+                    break
+                retried += 1
+                time.sleep(float(wait))
             seconds = time.perf_counter() - started
             record = {"index": index, "status": status, "latency_ms": 1e3 * seconds}
+            record["retries"] = retried
             if status == 200:
                 record["answers"] = answers_digest(payload)
             self.records.append(record)
@@ -155,13 +164,14 @@ def requests_per_batch(before: dict | None, after: dict | None) -> float | None:
     return mean_between(before, after, BATCH_METRIC)
 
 
-def run_load(url: str, bodies: list[bytes], clients: int = CLIENTS) -> dict:
-    """Every body once, by `clients` closed-loop clients; the report without request details."""
+def run_load(url: str, bodies: list[bytes], clients: int = CLIENTS, retries: int = 0) -> dict:
+    """Every body once, by `clients` closed-loop clients (each 503 retried after its Retry-After
+    up to `retries` times); the report without request details."""
     records: list[dict] = []
     take = counter(len(bodies))
     before = stage_seconds(url)
     started = time.perf_counter()
-    workers = [Client(url, bodies, take, records) for _ in range(clients)]
+    workers = [Client(url, bodies, take, records, retries) for _ in range(clients)]
     for worker in workers:
         worker.start()
     for worker in workers:
@@ -180,6 +190,7 @@ def run_load(url: str, bodies: list[bytes], clients: int = CLIENTS) -> dict:
         "ok": statuses.get("200", 0),
         "statuses": dict(sorted(statuses.items())),
         "requests_per_s": statuses.get("200", 0) / seconds,
+        "retries": sum(r["retries"] for r in records),
         "latency_ms": {
             "mean": statistics.fmean(latencies),
             **{f"p{round(100 * f)}": quantile(latencies, f) for f in QUANTILES},
@@ -251,6 +262,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--warm-up", type=int, default=0, help="requests of the warm-up stream first, not counted"
     )
+    parser.add_argument(
+        "--retries", type=int, default=0, help="a 503's Retry-After honoured up to N times"
+    )
     parser.add_argument("--out", default=None, help="the reports and every request, as JSON")
     args = parser.parse_args(argv)
     if args.questions is not None and not 1 <= args.questions <= traffic.MAX_QUESTIONS:
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         run_load(args.url, suite_bodies(args, args.warm_up, "warm-up")[0], max(args.clients))
     reports = []
     for clients in args.clients:
-        report = run_load(args.url, bodies, clients)
+        report = run_load(args.url, bodies, clients, args.retries)
         for record in report["records"]:
             record.update(described[record["index"]])
         reports.append(report)

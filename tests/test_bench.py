@@ -68,6 +68,39 @@ def test_load_driver_sends_every_request_once_and_keeps_each_latency():
     assert "| 2 | 40 | 40 |" in load.table([report])
 
 
+class Busy(BaseHTTPRequestHandler):
+    """Answers every other POST 503 with Retry-After 0, as a worker with every slot taken."""
+
+    posts = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Busy.posts += 1
+        status = 503 if Busy.posts % 2 else 200
+        self.send_response(status)
+        self.send_header("Content-Length", "2")
+        if status == 503:
+            self.send_header("Retry-After", "0")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_load_driver_retries_a_busy_answer_after_its_retry_after():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/systemone"
+        once = load.run_load(url, [b"{}"] * 10, clients=1)
+        retried = load.run_load(url, [b"{}"] * 10, clients=1, retries=3)
+    finally:
+        server.shutdown()
+    assert once["statuses"] == {"200": 5, "503": 5} and once["retries"] == 0
+    assert retried["statuses"] == {"200": 10} and retried["retries"] == 10
+
+
 def test_load_driver_refuses_bad_options_with_a_message(capsys):
     for argv, message in (
         (["--questions", "17"], "--questions must be 1 to 16, got 17"),
