@@ -29,10 +29,10 @@ TEXT_ROWS = 64
 ROW_TABLES = ("row_start", "row_length", "row_parent", "row_prefix")
 # and of its per-token inputs (int64 [N], positions [3, N])
 TOKEN_INPUTS = ("input_ids", "positions", "token_row", "token_step")
-# the rows every matrix product of a packed pass takes at once (each pass size a multiple): the
-# BLAS library picks its kernel, and with it the order of a row's sums, by the row count, and on
-# the H200 two counts from 256 to 8,192 gave a row other bytes (on the H100 none did); products
-# of one row count give a row its bytes whatever the pass size
+# the rows every matrix product of a packed pass takes at once (each pass size a multiple): a
+# BLAS library may pick its kernel, and with it the order of a row's sums, by the row count (on
+# the H200 a row's bytes moved with the pass size, on the H100 they did not); products of one
+# row count give a row its bytes whatever the pass size
 PRODUCT_ROWS = 128
 
 
