@@ -1,6 +1,7 @@
-"""The packed passes in process on the machine at hand: how long building every shape takes, the
-passes and token slots of suite requests, their warm times, and whether each question's answer
-is the same bytes alone, with its request and batched with another request (JSON to --out).
+"""The packed passes in process on the machine at hand (prefix cache off): how long building every
+shape takes, each stage's device time for the issue's two single requests, the passes and token
+slots of suite requests, their warm times, and whether each question's answer is the same bytes
+alone, with its request and batched with another request (JSON to --out).
 
     python -m bench.packed_check --checkpoint C --engines E --requests 24 --out F
 """
@@ -71,6 +72,35 @@ def check(executor, requests: int, seed: int) -> dict:
     return record
 
 
+def stage_profile(executor, seed: int) -> dict:
+    """Each stage's device time (a lap waits for the device), medians of RUNS warm runs, of the
+    issue's two single requests: 1 question on a 1920x1080 PNG, 12 on a 1920x1080 JPEG."""
+    import torch
+
+    from runtime.strict_json import parse_body
+
+    made = {}
+    for name, questions, fmt in (("q1-png", 1, "PNG"), ("q12-jpeg", 12, "JPEG")):
+        obj = parse_body(traffic.request(seed, 0, "suite", questions, (1920, 1080), fmt).body)
+        for _ in range(2):
+            executor.execute(executor.prepare(obj))
+        executor.stage_sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+        runs: dict[str, list[float]] = {}
+        for _ in range(RUNS):
+            prepared = executor.prepare(obj)
+            started = time.perf_counter()
+            executor.execute(prepared)
+            runs.setdefault("whole", []).append(time.perf_counter() - started)
+            runs.setdefault("prepare", []).append(prepared.prepare_seconds)
+            for stage, seconds in executor.stages.items():
+                if stage != "prepare":
+                    runs.setdefault(stage, []).append(seconds)
+        executor.stage_sync = None
+        made[name] = {k: round(1e3 * statistics.median(v), 2) for k, v in runs.items()}
+        print(name, json.dumps(made[name]), flush=True)
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.packed_check")
     parser.add_argument("--checkpoint", required=True)
@@ -79,10 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    from runtime.config import RuntimeConfig
     from runtime.executor import load_engine
 
     started = time.perf_counter()
-    executor = load_engine(args.checkpoint, args.engines, "torch")
+    # every request runs its image prefix, as the worker measured over HTTP does
+    config = RuntimeConfig.from_env(backend="torch", prefix_cache=0)
+    executor = load_engine(args.checkpoint, args.engines, config)
     loaded = time.perf_counter()
     executor.answer(json.dumps(executor.warm_up_request()).encode())
     warmed = time.perf_counter()
@@ -97,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(record), flush=True)
     builds = executor.shape_builds()[0]
+    record["stages_ms"] = stage_profile(executor, args.seed)
     record.update(check(executor, args.requests, args.seed))
     record["builds_while_checking"] = executor.shape_builds()[0] - builds
     args.out.write_text(json.dumps(record, indent=1))
