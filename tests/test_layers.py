@@ -46,7 +46,8 @@ RUNTIME_LAYERS = (
     ("passes", ("runtime.passes", "runtime.packing", "runtime.batch")),
     ("backends", ("runtime.backends",)),
     ("heads and finishing", ("runtime.heads", "runtime.finish")),
-    ("execution stages", ("runtime.run_passes", "runtime.image_prefix", "runtime.readouts")),
+    ("execution stages", ("runtime.run_passes", "runtime.image_prefix", "runtime.readouts",
+                          "runtime.flight")),
     ("executor", ("runtime.executor",)),
     ("command line", ("runtime.cli",)),
 )  # fmt: skip
