@@ -4,7 +4,8 @@
 # /health 200, the mixed suite and its held-out stream at one client, the 12-question
 # 1920x1080 JPEG and 1-question 1920x1080 PNG requests, the suite at 1, 4, 16 and 64 clients
 # (GPU busy sampled), then the worker's shape builds by phase, its passes and its GPU memory from
-# /metrics; RESTART=1 starts it once more, with the caches the first start left. TREE is this tree (.) or another revision's
+# /metrics; RESTART=1 starts it once more, with the caches the first start left; QUICK=1 leaves
+# out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts. TREE is this tree (.) or another revision's
 # files (`git archive REV | tar x -C .before`, carried); the load driver is always this tree's.
 # With `check`, bench.packed_check runs last, in process (shape builds, bytes alone and together).
 #   bash bench/serve_ab.sh TREE NAME OUTDIR [check]
@@ -43,10 +44,10 @@ load() {  # NAME-SUFFIX, then bench.load's options
   PYTHONPATH=/tmp/site:$root python3 -m bench.load --url $url/v1/systemone --suite traffic \
     --seed 0 --out "$out/$name-$label.json" "$@" 2>&1 | tail -4 | tee -a "$out/log.txt"
 }
-load mixed-c1 --clients 1 --requests 100 --warm-up 8
+[[ ${QUICK:-0} == 1 ]] || load mixed-c1 --clients 1 --requests 100 --warm-up 8
 load q12-jpeg --clients 1 --requests 20 --questions 12 --image-size 1920x1080 --format jpeg
 load q1-png --clients 1 --requests 20 --questions 1 --image-size 1920x1080 --format png
-load heldout-c1 --clients 1 --requests 60 --held-out
+[[ ${QUICK:-0} == 1 ]] || load heldout-c1 --clients 1 --requests 60 --held-out
 curl -s $url/metrics > "$out/$name-metrics-before.txt"
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 \
   > "$out/$name-gpu-busy.csv" &
@@ -54,7 +55,7 @@ smi=$!
 # the same suite requests at 1, 4, 16 and 64 clients in turn: requests/s, p50/p99, and whether
 # every request's answers are the same bytes in every run (alone, and batched under load); a 503
 # is retried after its Retry-After, as the SDKs do, so that 64 clients count what was served
-load clients --clients 1,4,16,64 --requests ${CLIENT_REQUESTS:-300} --retries 30
+load clients --clients ${CLIENTS:-1,4,16,64} --requests ${CLIENT_REQUESTS:-300} --retries 30
 kill $smi
 curl -s $url/metrics > "$out/$name-metrics.txt"
 grep -E "^omnijev_(shape_build|cuda_memory|packed|pass_|device_busy)" "$out/$name-metrics.txt" | tee -a "$out/log.txt"
