@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from bench import traffic
+from bench.latency import time_runs
 from bench.parity import without_latency
 
 RUNS = 5  # warm runs a request
@@ -73,30 +74,20 @@ def check(executor, requests: int, seed: int) -> dict:
 
 
 def stage_profile(executor, seed: int) -> dict:
-    """Each stage's device time (a lap waits for the device), medians of RUNS warm runs, of the
-    issue's two single requests: 1 question on a 1920x1080 PNG, 12 on a 1920x1080 JPEG."""
+    """Each stage's device time (a lap waits for the device) and the whole request's, medians of
+    RUNS warm runs (`bench.latency.time_runs`), of the issue's two single requests: 1 question
+    on a 1920x1080 PNG, 12 on a 1920x1080 JPEG."""
     import torch
-
-    from runtime.strict_json import parse_body
 
     made = {}
     for name, questions, fmt in (("q1-png", 1, "PNG"), ("q12-jpeg", 12, "JPEG")):
-        obj = parse_body(traffic.request(seed, 0, "suite", questions, (1920, 1080), fmt).body)
-        for _ in range(2):
-            executor.execute(executor.prepare(obj))
+        body = traffic.request(seed, 0, "suite", questions, (1920, 1080), fmt).body
         executor.stage_sync = torch.cuda.synchronize if torch.cuda.is_available() else None
-        runs: dict[str, list[float]] = {}
-        for _ in range(RUNS):
-            prepared = executor.prepare(obj)
-            started = time.perf_counter()
-            executor.execute(prepared)
-            runs.setdefault("whole", []).append(time.perf_counter() - started)
-            runs.setdefault("prepare", []).append(prepared.prepare_seconds)
-            for stage, seconds in executor.stages.items():
-                if stage != "prepare":
-                    runs.setdefault(stage, []).append(seconds)
+        stages: dict = executor.stages
+        times = time_runs(executor.answer, body, RUNS, stages)
         executor.stage_sync = None
-        made[name] = {k: round(1e3 * statistics.median(v), 2) for k, v in runs.items()}
+        made[name] = {"whole": round(1e3 * statistics.median(times), 2)}
+        made[name].update({k: round(1e3 * v, 2) for k, v in stages.items()})
         print(name, json.dumps(made[name]), flush=True)
     return made
 

@@ -11,24 +11,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from bench import traffic
 from bench.gpu import environment
+from bench.latency import time_runs
 
 QUESTIONS = 12  # the issue's 12-question suite requests
-
-
-def timed(answer, body: bytes, runs: int) -> list[float]:
-    """Milliseconds of `runs` warm calls."""
-    answer(body)
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        answer(body)
-        times.append(1e3 * (time.perf_counter() - started))
-    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for index in range(args.requests):
         made = traffic.request(args.seed, index, "suite", QUESTIONS)
-        times = timed(reference.answer, made.body, args.runs)
+        times = [1e3 * t for t in time_runs(reference.answer, made.body, args.runs)]
         rows.append(
             {
                 "index": index,

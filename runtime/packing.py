@@ -24,6 +24,7 @@ from runtime.passes import (
     plan_prefix,
     prefix_starts,
     question_span,
+    read_zq,
 )
 from runtime.types import Prepared
 
@@ -234,17 +235,8 @@ def read_text(made: PackedPass, prepared: Prepared, qi: int, row: int) -> None:
     """A text row's readouts: zq's hidden state, and (but for Score) each option's first token's
     log-probability there."""
     zq = int(made.row_start[row] + made.row_length[row] - 1)
-    qp = made.question
-    qp.members.append(qi)
-    qp.zq_read[qi] = len(made.read_rows)
-    made.read_rows.append(zq)
-    layout = prepared.layouts[qi]
-    if layout.question.type == "score":
-        return
-    for k, option_row in enumerate(layout.rows):
-        if option_row.first is not None:
-            qp.first_read[(qi, k)] = len(made.targets)
-            made.targets.append((zq, option_row.first))
+    made.question.members.append(qi)
+    read_zq(made.question, made.read_rows, made.targets, prepared, qi, zq)
 
 
 def read_option(made: PackedPass, prepared: Prepared, qi: int, k: int, row: int) -> None:

@@ -271,17 +271,24 @@ def question_pass(
         # the row continues its image's after-prefix states (its `src`) and reads its prefix
         fill_row(p, row, ids, positions, owner(prepared, qi))
         p.prefix_rows[row] = owner(prepared, qi)
-        zq_flat = row * length + len(ids) - 1
-        qp.zq_read[qi] = len(p.read_rows)
-        p.read_rows.append(zq_flat)
-        layout = prepared.layouts[qi]
-        if layout.question.type == "score":
-            continue
-        for k, option_row in enumerate(layout.rows):
-            if option_row.first is not None:
-                qp.first_read[(qi, k)] = len(p.targets)
-                p.targets.append((zq_flat, option_row.first))
+        read_zq(qp, p.read_rows, p.targets, prepared, qi, row * length + len(ids) - 1)
     return qp
+
+
+def read_zq(
+    qp: QuestionPass, read_rows: list[int], targets: list, prepared: Prepared, qi: int, zq: int
+) -> None:
+    """Question `qi`'s readouts at its zq token (`zq`, a flat index of its pass): the hidden
+    state, and (but for Score) each option's first token's log-probability there."""
+    qp.zq_read[qi] = len(read_rows)
+    read_rows.append(zq)
+    layout = prepared.layouts[qi]
+    if layout.question.type == "score":
+        return
+    for k, option_row in enumerate(layout.rows):
+        if option_row.first is not None:
+            qp.first_read[(qi, k)] = len(targets)
+            targets.append((zq, option_row.first))
 
 
 def plan_options(prepared: Prepared, question_passes: list[QuestionPass]) -> list[OptionPass]:
