@@ -113,7 +113,14 @@ def cli_parity(args) -> int:
     executor = load_engine(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
     reference = Reference(args.checkpoint, dtype="float32", device=args.device)
     report = parity(executor, reference, question_sets())
+    if args.bf16_reference:
+        # the bar for a BF16 engine: how far the reference itself moves in BF16
+        low = Reference(args.checkpoint, dtype="bfloat16", device=args.device)
+        report["bf16_reference"] = parity(low, reference, question_sets())
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(parity_table(report))
+    if args.bf16_reference:
+        print("the BF16 reference against the float32 one:")
+        print(parity_table(report["bf16_reference"]))
     return 0

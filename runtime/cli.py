@@ -92,6 +92,12 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         config.add_arguments(parser)
     if name in ("parity", "bench"):
         parser.add_argument("--out", default=None, help="write the full report as JSON")
+    if name == "parity":
+        parser.add_argument(
+            "--bf16-reference",
+            action="store_true",
+            help="also the BF16 reference's distance to the float32 one (the bar for BF16)",
+        )
     if name == "bench":
         parser.add_argument(
             "--host-only", action="store_true", help="the host stages alone, without engines"
