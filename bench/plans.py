@@ -15,6 +15,41 @@ from runtime.strict_json import parse_body
 from runtime.types import Prepared
 
 FULL_REQUEST = 12  # the bench's largest request: its questions, reported apart
+MERGE = 4  # vision patches an image token merges (2 × 2)
+
+
+def token_products() -> tuple[int, int, int]:
+    """Multiply-adds a token meets in the 4b's products (docs/model.md): a language-model token
+    (every layer's projections and MLP), a vision patch (its embedding and every block), and a
+    merged image token (the merger). Attention and the recurrence are left out: a few per cent
+    of a language-model token's at the suite's lengths."""
+    from build_engines.presets import LAYER_PATTERN, REAL_TEXT, REAL_VISION
+
+    t, v = REAL_TEXT, REAL_VISION
+    h, heads, dim = t["hidden_size"], t["num_attention_heads"], t["head_dim"]
+    kv = t["num_key_value_heads"]
+    dk = t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    dv = t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    mlp = 3 * h * t["intermediate_size"]
+    attention = h * (2 * heads * dim + 2 * kv * dim) + heads * dim * h  # q with its gate, k, v, o
+    delta = h * (2 * dk + 2 * dv + 2 * t["linear_num_value_heads"]) + dv * h
+    layers = t["num_hidden_layers"]
+    full = layers * LAYER_PATTERN.count("full_attention") // len(LAYER_PATTERN)
+    text = full * attention + (layers - full) * delta + layers * mlp
+    width, merged = v["hidden_size"], v["hidden_size"] * MERGE
+    patch = 1536 * width + v["depth"] * (4 * width * width + 2 * width * v["intermediate_size"])
+    return text, patch, merged * merged + merged * v["out_hidden_size"]
+
+
+def products_tflop(prepared: Prepared, work: PackedPlan) -> dict:
+    """A request's products in TFLOP (2 a multiply-add): the image prefix's and the vision
+    tower's, and its packed passes' over the tokens and over the token slots run."""
+    text, patch, merged = token_products()
+    vision = prepared.image.image_tokens * (MERGE * patch + merged)
+    return {
+        "tflop_tokens": round(2 * (vision + text * (work.prefix_length + work.tokens)) / 1e12, 3),
+        "tflop_slots": round(2 * (vision + text * (work.prefix_length + work.slots)) / 1e12, 3),
+    }
 
 
 def gpu_plan(prepared: Prepared) -> PackedPlan:
@@ -43,9 +78,9 @@ def plans(executor, seed: int, count: int, questions: int | None = None) -> dict
     for index in range(count):
         made = traffic.request(seed, index, questions=questions)
         prepared = executor.prepare(parse_body(made.body))
-        rows.append(
-            {"index": index, "size": list(made.size), **request_row(prepared, plan(prepared))}
-        )
+        work = plan(prepared)
+        row = {"index": index, "size": list(made.size), **request_row(prepared, work)}
+        rows.append({**row, **products_tflop(prepared, work)})
     return {"requests": rows, "summary": summary(rows)}
 
 
@@ -69,6 +104,8 @@ def summary(rows: list[dict]) -> dict:
         f"filled_{FULL_REQUEST}_questions": filled(full),
         f"requests_{FULL_REQUEST}_questions": len(full),
         "sizes": {str(size): used[size] for size in sorted(used)},
+        "tflop_tokens_mean": statistics.fmean(r["tflop_tokens"] for r in rows),
+        "tflop_slots_mean": statistics.fmean(r["tflop_slots"] for r in rows),
     }
 
 
@@ -82,6 +119,8 @@ def table(record: dict) -> str:
         f"max {s['passes_max']}; token slots holding tokens {s['filled']:.0%}, "
         f"{FULL_REQUEST}-question requests ({s[f'requests_{FULL_REQUEST}_questions']}) "
         f"{full_text}",
+        f"products a request (4b): {s['tflop_tokens_mean']:.2f} TFLOP over its tokens, "
+        f"{s['tflop_slots_mean']:.2f} over the slots run",
         f"packed sizes used: {len(s['sizes'])}",
         "| packed size | passes |",
         "| ---: | ---: |",

@@ -239,6 +239,7 @@ def test_the_plan_statistics_count_passes_filled_slots_and_packed_sizes(executor
     for row in rows:
         assert 0 < row["tokens"] <= row["slots"] == sum(row["sizes"])
         assert row["passes"] == len(row["sizes"]) >= 1 and set(row["sizes"]) <= set(PACK_SIZES)
+        assert 0 < row["tflop_tokens"] <= row["tflop_slots"]
     summary = record["summary"]
     assert summary["passes_max"] == max(r["passes"] for r in rows)
     assert 0 < summary["filled"] <= 1
@@ -283,3 +284,27 @@ def test_a_malformed_sizes_record_is_named_not_traced(tmp_path, capsys):
         parse_args(["plans", "--times", str(tmp_path / "other.json")])
     assert exited.value.code == 2
     assert "--times: " in capsys.readouterr().err
+
+
+def test_the_product_count_is_the_4b_modules_linear_weights():
+    """`bench.plans.token_products` counts what the 4b's own modules multiply: each layer's and
+    block's linear weights, built on the meta device from the preset's config."""
+    import torch
+
+    from bench.plans import MERGE, token_products
+    from build_engines.presets import config_kwargs
+    from runtime.model.language import DecoderLayer
+    from runtime.model.vision import VisionTower
+
+    def linear_weights(module: torch.nn.Module) -> int:
+        return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+    config = config_kwargs("4b")
+    tc, vc = config["text_config"], config["vision_config"]
+    with torch.device("meta"):
+        text = sum(linear_weights(DecoderLayer(tc, kind, "torch")) for kind in tc["layer_types"])
+        tower = VisionTower(vc)
+    blocks = linear_weights(tower.blocks)
+    patch = tower.patch_embed.proj.weight.numel() + blocks
+    assert token_products() == (text, patch, linear_weights(tower.merger))
+    assert MERGE == vc["spatial_merge_size"] ** 2
