@@ -1,8 +1,7 @@
 """Whether this GPU's matrix products give a row the same bytes at every packed pass size: the 4b's
 product shapes in BF16, the first 256 rows of X [M, K] @ W against those at 8,192 rows, for each
 BLAS setting in a process of its own (the settings are read when the library starts), and the
-milliseconds of the MLP's products at 1,024 rows, at once and in PRODUCT_ROWS blocks. JSON to
---out, a table printed.
+milliseconds of the MLP's products at 1,024 rows. JSON to --out, a table printed.
 
     python -m bench.blas_rows --out F
 """
@@ -16,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.model.packed import PRODUCT_ROWS
 from runtime.packing import PACK_SIZES
 
 # (N, K) of the 4b's language-model products (docs/model.md): attention q (with its gate), k and
@@ -61,30 +59,18 @@ def measure() -> dict:
         gate, value = torch.nn.functional.linear(x, up).chunk(2, dim=-1)
         return torch.nn.functional.linear(gate * value, down)
 
-    def blocks() -> list[torch.Tensor]:  # the packed pass's way: PRODUCT_ROWS rows at a time
-        parts = []
-        for part in x.split(PRODUCT_ROWS):
-            gate, value = torch.nn.functional.linear(part, up).chunk(2, dim=-1)
-            parts.append(torch.nn.functional.linear(gate * value, down))
-        return parts
-
-    record["mlp_ms"] = milliseconds(torch, mlp)
-    record["mlp_blocks_ms"] = milliseconds(torch, blocks)
+    for _ in range(5):
+        mlp()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        mlp()
+    end.record()
+    end.synchronize()
+    record["mlp_ms"] = start.elapsed_time(end) / 50
     record["gpu"] = torch.cuda.get_device_name()
     record["torch"] = torch.__version__
     return record
-
-
-def milliseconds(torch, fn, runs: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results[name] = json.loads(done.stdout.strip().splitlines()[-1])
         shown = results[name].get("differ", results[name])
-        mlp = results[name].get("mlp_ms"), results[name].get("mlp_blocks_ms")
-        print(f"{name}: mlp {mlp[0]} ms, in blocks {mlp[1]} ms, differ {shown}", flush=True)
+        print(f"{name}: mlp {results[name].get('mlp_ms')} ms, differ {shown}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -29,9 +29,12 @@ from runtime.passes import (
 from runtime.types import Prepared
 
 # The token slots of a packed pass, each one compiled and captured graph built before the
-# worker is ready: multiples of the rows its products take at once (PRODUCT_ROWS), so that a
-# row's products run at one row count in every pass. Steps of an eighth to a quarter keep the
-# suite's passes about nine tenths full; the largest holds any question the contract admits
+# worker is ready. At least 256: below that the matrix-product libraries give a row other bytes
+# as the row count changes (cuBLAS BF16 on the H100, MKL float32 here), from 256 to 8,192 the
+# same at any count and any place; the backend checks its machine's products at every size
+# before it merges requests (runtime.model.packed.products_differ). Steps of an eighth to a
+# quarter keep the suite's passes about nine tenths full; the largest holds any one question
+# the contract admits (8,192 tokens)
 PACK_SIZES = (
     256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048,
     2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192,

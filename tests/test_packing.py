@@ -94,23 +94,37 @@ def test_every_answer_is_the_same_bytes_alone_together_in_any_order_and_batched(
     assert without_latency(answers) == whole
 
 
-def test_a_packed_pass_products_run_on_blocks_of_one_row_count() -> None:
-    """`in_blocks`: every call of a per-token function sees PRODUCT_ROWS rows, whatever the pass
-    size, and the outputs come back in order, tuples of outputs too."""
+def test_the_products_check_names_each_shape_whose_rows_move_with_the_pass_size() -> None:
+    """`products_differ`: this machine's products keep a row's bytes at every pass size for
+    each weight shape of a layer of each kind (fused weights too); a library whose sums change
+    order below 384 rows is caught at 256, shape by shape."""
+    from types import SimpleNamespace
+
     import torch
+    import torch.nn.functional as F
 
-    from runtime.model.packed import PRODUCT_ROWS, in_blocks
+    from build_engines.presets import config_kwargs
+    from runtime.model.language import DecoderLayer
+    from runtime.model.packed import products_differ
 
-    seen: list[int] = []
+    tc = config_kwargs("tiny")["text_config"]
+    torch.manual_seed(0)
+    layers = [DecoderLayer(tc, kind, "eager") for kind in tc["layer_types"]]
+    for layer in layers:
+        (layer.self_attn if layer.kind == "full_attention" else layer.linear_attn).fuse()
+        layer.mlp.fuse()
+    module = SimpleNamespace(layers=layers)
+    assert products_differ(module, packing.PACK_SIZES) == []
 
-    def twice(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.append(x.shape[0])
-        return 2 * x, x + y
+    def reordered(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, w)
+        return y if x.shape[0] < 384 else y + 1e-3
 
-    x = torch.arange(3 * PRODUCT_ROWS, dtype=torch.float32)[:, None]
-    doubled, summed = in_blocks(twice, x, x)
-    assert seen == [PRODUCT_ROWS] * 3
-    assert torch.equal(doubled, 2 * x) and torch.equal(summed, 2 * x)
-    assert all(size % PRODUCT_ROWS == 0 for size in packing.PACK_SIZES)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        in_blocks(twice, x[:200], x[:200])
+    shapes = {
+        tuple(t.shape)
+        for layer in layers
+        for t in (*layer.parameters(), *layer.buffers())
+        if t.dim() == 2
+    }
+    differ = products_differ(module, packing.PACK_SIZES, multiply=reordered)
+    assert differ == [f"{n}x{k} at 256 rows" for n, k in sorted(shapes)]

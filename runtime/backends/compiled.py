@@ -35,7 +35,14 @@ from runtime.model.language import (
     lm_output_names,
     pass_body,
 )
-from runtime.model.packed import PACKED_BLOCKS, ROW_TABLES, TOKEN_INPUTS, packed_body
+from runtime.model.packed import (
+    PACKED_BLOCKS,
+    ROW_TABLES,
+    TOKEN_INPUTS,
+    packed_body,
+    products_differ,
+)
+from runtime.packing import PACK_SIZES
 
 log = logging.getLogger("omnijev.torch")
 
@@ -270,6 +277,11 @@ class TorchBackend:
         self.vision = self.vision.to(self.device)
         self.weights_seconds = time.perf_counter() - started  # a cold start's parts, reported
         self.prepare_modules(cuda)
+        # merging requests needs products whose rows keep their bytes at every pass size
+        self.products_differ = products_differ(self.language, PACK_SIZES)
+        if self.products_differ:
+            shown = ", ".join(self.products_differ[:4])
+            log.warning("products move a row's bytes here (%s): requests run alone", shown)
         self.table = padded_table(self.language.embed_tokens.weight.data)
         self.language.embed_tokens.weight.data = self.table[: self.vocab]
         self.functions = self.make_functions()
@@ -300,9 +312,10 @@ class TorchBackend:
             asynchronous=cuda,
             # a packed row reads its own prefix's keys in place, whatever the others' prefixes
             prefixes=GRAPH_PREFIXES if graphs else MAX_PREFIXES,
-            # a packed row's bytes never follow its pass (runtime.model.packed), on the GPU too:
-            # the worker still checks a batch before ready (Executor.check_batches)
-            merges=True,
+            # a packed row's bytes never follow its pass (runtime.model.packed) where the
+            # machine's products do not: the worker still checks a batch before ready
+            # (Executor.check_batches)
+            merges=not self.products_differ,
             packed=True,
             # one packed graph a size, not one a size and prefix length besides: a masked key's
             # weight is an exact zero in the packed attention

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from runtime.model.gdn import CORES, l2norm
 from runtime.model.language import apply_rotary, grouped_attention
+from runtime.model.layers import product
 
 # text rows a packed pass holds at most: each keeps its final recurrent state for its option
 # rows, a [HV, dk, dv] float32 slot (64 slots: 134 MB on the 4b, one buffer for every layer)
@@ -29,11 +30,6 @@ TEXT_ROWS = 64
 ROW_TABLES = ("row_start", "row_length", "row_parent", "row_prefix")
 # and of its per-token inputs (int64 [N], positions [3, N])
 TOKEN_INPUTS = ("input_ids", "positions", "token_row", "token_step")
-# the rows every matrix product of a packed pass takes at once (each pass size a multiple): a
-# BLAS library may pick its kernel, and with it the order of a row's sums, by the row count (on
-# the H200 a row's bytes moved with the pass size, on the H100 they did not); products of one
-# row count give a row its bytes whatever the pass size
-PRODUCT_ROWS = 128
 
 
 class Rows(NamedTuple):
@@ -181,27 +177,43 @@ def enumerate_rows(rows: Rows) -> list[tuple[int, tuple[int, int, int, int]]]:
     return [(r, tuple(row)) for r, row in enumerate(tables[:-1]) if row[1] > 0]
 
 
+# -- the machine's products -----------------------------------------------------------------
+
+
+def products_differ(module, sizes: tuple[int, ...], multiply=product) -> list[str]:
+    """Where this machine's products give a row other bytes at another pass size: each of the
+    language model's weight shapes (a layer of each kind, its fused weights included) at each
+    of `sizes` rows, against the same rows of the largest size ("NxK at M rows"). A BLAS
+    library picks its kernel, and with it the order of a row's sums, by the row count; a pass
+    merges rows of several requests only where none differs."""
+    layers = {layer.kind: layer for layer in module.layers}.values()
+    weights = {}
+    for layer in layers:
+        for tensor in (*layer.parameters(), *layer.buffers()):
+            if tensor.dim() == 2 and tensor.is_floating_point():
+                weights.setdefault(tuple(tensor.shape), tensor)
+    generator = torch.Generator(device=next(iter(weights.values())).device).manual_seed(0)
+    differ = []
+    for (n, k), weight in sorted(weights.items()):
+        x = torch.randn(
+            max(sizes), k, generator=generator, device=weight.device, dtype=weight.dtype
+        )
+        full = multiply(x, weight)
+        differ += [
+            f"{n}x{k} at {m} rows"
+            for m in sizes
+            if not torch.equal(multiply(x[:m], weight), full[:m])
+        ]
+    return differ
+
+
 # -- one layer of each kind, and the pass ---------------------------------------------------
-
-
-def in_blocks(fn, *xs: torch.Tensor):
-    """`fn(*xs)` of a function of each token alone (projections, the MLP), over PRODUCT_ROWS
-    tokens at a time: its products never see another row count."""
-    n = xs[0].shape[0]
-    if n <= PRODUCT_ROWS:
-        return fn(*xs)
-    if n % PRODUCT_ROWS:
-        raise ValueError(f"a packed pass's tokens are a multiple of {PRODUCT_ROWS}, got {n}")
-    made = [fn(*parts) for parts in zip(*(x.split(PRODUCT_ROWS) for x in xs), strict=True)]
-    if isinstance(made[0], torch.Tensor):
-        return torch.cat(made)
-    return [torch.cat(outputs) for outputs in zip(*made, strict=True)]
 
 
 def attention_layer(layer, h, cos, sin, rows: Rows, prefix_k, prefix_v, prefix_mask):
     """One attention decoder layer over the packed tokens h [N, D]."""
     attn = layer.self_attn
-    q, gate, k, v = in_blocks(attn.project, layer.input_layernorm(h))
+    q, gate, k, v = attn.project(layer.input_layernorm(h))
     n = h.shape[0]
     q = attn.q_norm(q)  # [N, H, hd]
     k = attn.k_norm(k.reshape(n, attn.kv_heads, attn.head_dim))
@@ -210,14 +222,14 @@ def attention_layer(layer, h, cos, sin, rows: Rows, prefix_k, prefix_v, prefix_m
     k = apply_rotary(k.transpose(0, 1)[None], cos, sin)[0].transpose(0, 1)
     attend = getattr(attn, "packed_attend", packed_attention_eager)
     mixed = attend(q, k, v, prefix_k, prefix_v, prefix_mask, rows, attn.head_dim**-0.5)
-    h = h + in_blocks(attn.output, mixed, gate)
-    return h + in_blocks(layer.mlp, layer.post_attention_layernorm(h))
+    h = h + attn.output(mixed, gate)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def delta_layer(layer, h, rows: Rows, sources, conv_past, rec_past):
     """One Gated DeltaNet decoder layer over the packed tokens h [N, D]."""
     delta = layer.linear_attn
-    raw, z, beta_raw, a = in_blocks(delta.project, layer.input_layernorm(h))
+    raw, z, beta_raw, a = delta.project(layer.input_layernorm(h))
     n = h.shape[0]
     mixed = packed_conv(raw, conv_past, delta.taps(), sources)
     key_width = delta.k_heads * delta.dk
@@ -237,8 +249,8 @@ def delta_layer(layer, h, rows: Rows, sources, conv_past, rec_past):
     )
     z = z.reshape(n, delta.v_heads, delta.dv)
     y = delta.norm(out.to(raw.dtype), z).reshape(n, delta.v_heads * delta.dv)
-    h = h + in_blocks(delta.output, y)
-    return h + in_blocks(layer.mlp, layer.post_attention_layernorm(h))
+    h = h + delta.output(y)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 PACKED_BLOCKS = {"attention": attention_layer, "delta": delta_layer}
