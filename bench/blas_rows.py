@@ -1,7 +1,8 @@
 """Whether this GPU's matrix products give a row the same bytes at every packed pass size: the 4b's
 product shapes in BF16, the first 256 rows of X [M, K] @ W against those at 8,192 rows, for each
-BLAS setting in a process of its own (the settings are read when the library starts), and the
-milliseconds of the MLP's products at 1,024 rows. JSON to --out, a table printed.
+BLAS setting in a process of its own (the settings are read when the library starts), what the
+torch backend's load-time check finds on a 4b layer of each kind, and the milliseconds of the
+MLP's products at 1,024 rows. JSON to --out, a table printed.
 
     python -m bench.blas_rows --out F
 """
@@ -68,9 +69,30 @@ def measure() -> dict:
     end.record()
     end.synchronize()
     record["mlp_ms"] = start.elapsed_time(end) / 50
+    record["products_differ"] = backend_check(torch)
     record["gpu"] = torch.cuda.get_device_name()
     record["torch"] = torch.__version__
     return record
+
+
+def backend_check(torch) -> list[str]:
+    """What the torch backend's load-time check (`products_differ`) finds here, on a 4b layer
+    of each kind (random weights, fused as the backend fuses them)."""
+    from types import SimpleNamespace
+
+    from build_engines.presets import config_kwargs
+    from runtime.model.language import DecoderLayer
+    from runtime.model.packed import products_differ
+
+    tc = config_kwargs("4b")["text_config"]
+    layers = []
+    with torch.device("cuda"):
+        for kind in ("linear_attention", "full_attention"):
+            layer = DecoderLayer(tc, kind, "eager").to(torch.bfloat16)
+            (layer.self_attn if kind == "full_attention" else layer.linear_attn).fuse()
+            layer.mlp.fuse()
+            layers.append(layer)
+    return products_differ(SimpleNamespace(layers=layers), PACK_SIZES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = json.loads(done.stdout.strip().splitlines()[-1])
         shown = results[name].get("differ", results[name])
         print(f"{name}: mlp {results[name].get('mlp_ms')} ms, differ {shown}", flush=True)
+        print(f"  the backend's check: {results[name].get('products_differ')}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
