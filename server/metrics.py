@@ -113,6 +113,12 @@ class Metrics:
         Gauge(
             "omnijev_resident_memory_bytes", "resident set size of the worker", registry=registry
         ).set_function(memory.rss_bytes)
+        Gauge(
+            "omnijev_requests_merge",
+            "1 where requests share passes here, 0 where each runs alone (a check before ready "
+            "found a row's bytes moving with its pass)",
+            registry=registry,
+        ).set_function(lambda: float(getattr(engine, "merges", False)))
         registry.register(CudaMemory())
         registry.register(PrefixCache(engine))
         registry.register(Batches(scheduler))

@@ -479,6 +479,8 @@ def test_the_pass_counts_on_metrics(torch_executor) -> None:
         before = counts(server.url)
         assert all(answer_bytes(poster(server.url)(body)) for body in bodies)
         after = counts(server.url)
+        merge = metric(httpx.get(server.url + "/metrics").text, "omnijev_requests_merge")
+    assert merge == float(torch_executor.merges) == 1.0  # the CPU's products keep a row's bytes
     grown = {name: after[name] - before[name] for name in expected}
     assert grown == expected
     assert after["packed_passes"] >= 1 and after["packed_rows"] > 0
