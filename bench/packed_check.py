@@ -1,7 +1,8 @@
 """The packed passes in process on the machine at hand (prefix cache off): how long building every
-shape takes, each stage's device time for the issue's two single requests, the passes and token
-slots of suite requests, their warm times, and whether each question's answer is the same bytes
-alone, with its request and batched with another request (JSON to --out).
+shape takes, each stage's device time for the issue's two single requests and their kernels
+(`bench.kernels`), the passes and token slots of suite requests, their warm times, and whether
+each question's answer is the same bytes alone, with its request and batched with another
+request (JSON to --out).
 
     python -m bench.packed_check --checkpoint C --engines E --requests 24 --out F
 """
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 from bench import traffic
+from bench.kernels import kernel_profile
+from bench.kernels import table as kernel_table
 from bench.latency import time_runs
 from bench.parity import without_latency
 
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(record), flush=True)
     builds = executor.shape_builds()[0]
     record["stages_ms"] = stage_profile(executor, args.seed)
+    record["kernels"] = kernel_profile(executor, args.seed)
+    print(kernel_table(record["kernels"]), flush=True)
     record.update(check(executor, args.requests, args.seed))
     record["builds_while_checking"] = executor.shape_builds()[0] - builds
     args.out.write_text(json.dumps(record, indent=1))

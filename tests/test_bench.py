@@ -308,3 +308,27 @@ def test_the_product_count_is_the_4b_modules_linear_weights():
     patch = tower.patch_embed.proj.weight.numel() + blocks
     assert token_products() == (text, patch, linear_weights(tower.merger))
     assert MERGE == vc["spatial_merge_size"] ** 2
+
+
+def test_the_kernel_profile_sums_each_requests_device_time_by_family(tmp_path_factory):
+    """`bench.kernels` on the CPU (operators' own time): each of the issue's two requests has
+    its time, its families summing to it, its longest kernels in order, and its products' rate
+    from the 4b count; a kernel's family follows its name."""
+    from bench.kernels import TOP, family, kernel_profile, table
+    from runtime.executor import load_engine
+
+    checkpoint, engines = tiny_engines(tmp_path_factory)
+    executor = load_engine(str(checkpoint), str(engines), "torch")
+    record = kernel_profile(executor, seed=0, runs=1)
+    assert set(record) == {"q1-png", "q12-jpeg"}
+    for made in record.values():
+        assert made["device_ms"] > 0
+        assert abs(sum(made["families_ms"].values()) - made["device_ms"]) < 0.01
+        assert made["families_ms"]["products"] > 0 and made["products_tflop_per_s"] > 0
+        times = [k["ms"] for k in made["top"]]
+        assert times == sorted(times, reverse=True) and 0 < len(times) <= TOP
+    assert record["q12-jpeg"]["products_tflop"] > record["q1-png"]["products_tflop"]
+    assert "| kernel | ms | family |" in table(record)
+    named = ["sm90_xmma_gemm_bf16", "nvjet_tst_128x256", "flash_fwd_kernel", "chunk_fwd_kernel_o"]
+    assert [family(n) for n in named] == ["products", "products", "attention", "recurrence"]
+    assert family("triton_poi_fused_add_0") == "other"
