@@ -120,11 +120,10 @@ def test_the_products_check_names_each_shape_whose_rows_move_with_the_pass_size(
         y = F.linear(x, w)
         return y if x.shape[0] < 384 else y + 1e-3
 
-    shapes = {
-        tuple(t.shape)
-        for layer in layers
-        for t in (*layer.parameters(), *layer.buffers())
-        if t.dim() == 2
-    }
+    # the fused weights and the outputs' (o_proj, out_proj, down_proj), not the fused views
+    attention, delta = layers[tc["layer_types"].index("full_attention")], layers[0]
+    read = [attention.self_attn.qkv, attention.self_attn.o_proj.weight, delta.linear_attn.in_proj]
+    read += [delta.linear_attn.out_proj.weight, delta.mlp.gate_up, delta.mlp.down_proj.weight]
+    shapes = {tuple(t.shape) for t in read}
     differ = products_differ(module, packing.PACK_SIZES, multiply=reordered)
     assert differ == [f"{n}x{k} at 256 rows" for n, k in sorted(shapes)]

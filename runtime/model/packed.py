@@ -180,18 +180,26 @@ def enumerate_rows(rows: Rows) -> list[tuple[int, tuple[int, int, int, int]]]:
 # -- the machine's products -----------------------------------------------------------------
 
 
+def multiplied(layer) -> list[torch.Tensor]:
+    """The weights a layer's products take: its fused weights (buffers) and every matrix that is
+    no view of one (a fused Linear's own weight is, and no product reads it)."""
+    fused = [t for t in layer.buffers() if t.dim() == 2 and t.is_floating_point()]
+    held = {t.untyped_storage().data_ptr() for t in fused}
+    return fused + [
+        t for t in layer.parameters() if t.dim() == 2 and t.untyped_storage().data_ptr() not in held
+    ]
+
+
 def products_differ(module, sizes: tuple[int, ...], multiply=product) -> list[str]:
     """Where this machine's products give a row other bytes at another pass size: each of the
     language model's weight shapes (a layer of each kind, its fused weights included) at each
     of `sizes` rows, against the same rows of the largest size ("NxK at M rows"). A BLAS
     library picks its kernel, and with it the order of a row's sums, by the row count; a pass
     merges rows of several requests only where none differs."""
-    layers = {layer.kind: layer for layer in module.layers}.values()
     weights = {}
-    for layer in layers:
-        for tensor in (*layer.parameters(), *layer.buffers()):
-            if tensor.dim() == 2 and tensor.is_floating_point():
-                weights.setdefault(tuple(tensor.shape), tensor)
+    for layer in {layer.kind: layer for layer in module.layers}.values():
+        for tensor in multiplied(layer):
+            weights.setdefault(tuple(tensor.shape), tensor)
     generator = torch.Generator(device=next(iter(weights.values())).device).manual_seed(0)
     differ = []
     for (n, k), weight in sorted(weights.items()):
