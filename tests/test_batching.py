@@ -550,3 +550,21 @@ def test_the_batch_measurement_finds_every_byte_kept_where_it_is(executor) -> No
     assert all(b["gap"] == 0 and all(b["same_as_twice"]) for b in record["batches"])
     assert all(all(b["same_answers"]) for b in record["batches"])
     assert "same bytes" in table(record) and "| prefix tokens |" in requests_table(record)
+
+
+def test_a_machine_whose_products_move_a_rows_bytes_merges_no_request(engines, monkeypatch):
+    """Where the load-time products check finds a shape whose rows move with the pass size, the
+    torch backend declares no exact batches: every request runs alone, and /metrics says so."""
+    import runtime.backends.compiled as compiled
+    from runtime.executor import load_engine
+    from runtime.strict_json import parse_body
+
+    monkeypatch.setattr(compiled, "products_differ", lambda module, sizes: ["64x64 at 256 rows"])
+    executor = load_engine(str(engines[0]), str(engines[1]), "torch")
+    assert executor.backend.products_differ == ["64x64 at 256 rows"]
+    assert not executor.merges and not executor.check_batches()
+    body = request_body(pattern_png(320, 224), question_sets()[1], "image/png")
+    assert executor.batch_key(executor.prepare(parse_body(body)))[0] is None
+    with ThreadServer(executor) as server:
+        wait_ready(server.url)
+        assert metric(httpx.get(server.url + "/metrics").text, "omnijev_requests_merge") == 0.0
