@@ -58,7 +58,7 @@ bench: venv
 
 # the per-stage profile of every workload, with the reference beside (needs a GPU to mean much)
 profile: venv
-	$(OMNIJEV) bench --checkpoint $(CHECKPOINT) --engines $(ENGINES) --runs 5 \
+	$(OMNIJEV) bench --checkpoint $(CHECKPOINT) --engines $(ENGINES) --runs 5 --clients 0 \
 		--reference-dtype bfloat16 --out artifacts/profile.json
 
 clean:

@@ -1,6 +1,6 @@
 """`omnijev bench`: each workload's whole-request latency, the reference beside, then the host
-stages; the reference's `speed_bench.py` workloads (docs/contract.md §10.1, §12.2). The table is
-printed last."""
+stages; the reference's `speed_bench.py` workloads (docs/contract.md §10.1, §12.2); then the
+traffic suite over HTTP at 1, 4 and 16 clients (`bench.clients`). The tables are printed last."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.clients import CLIENTS, client_runs
+from bench.load import table as load_table
 from bench.parity import progress
 from bench.workloads import bench_bodies, host_requests, quantile
 from runtime.config import RuntimeConfig
@@ -120,11 +122,22 @@ def cli_bench(args) -> int:
 
         reference = Reference(args.checkpoint, dtype=args.reference_dtype, device=args.device)
     rows = latency(executor, reference, args.runs)
+    made = {"cold_start_s": cold, "rows": rows}
+    if args.clients is None:
+        args.clients = CLIENTS if executor.device.type == "cuda" else ()
+    if args.clients:
+        made["clients"] = client_runs(executor, args.clients, args.client_requests)
     if args.out:
-        Path(args.out).write_text(json.dumps({"cold_start_s": cold, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps(made, indent=1))
     print(f"cold start (load + warm-up): {cold:.2f} s")
     print(latency_table(rows))
     print_host_profile(args.runs, executor)
+    if args.clients:
+        runs = made["clients"]["runs"]
+        print(f"the traffic suite over HTTP ({args.client_requests} requests a client count):")
+        print(load_table(runs))
+        differing = made["clients"]["answers_differing"]
+        print(f"every answer the same bytes at each client count: {'no' if differing else 'yes'}")
     return 0
 
 

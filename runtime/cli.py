@@ -28,6 +28,19 @@ COMMANDS = {
 REPLICATED_SERVE = ("server.ray_serve", "cli_serve")
 
 
+def client_counts(text: str) -> tuple[int, ...]:
+    """`--clients 1,4,16` (or 0 for none): the client counts, in turn."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"client counts are numbers, got {text!r}") from None
+    if counts == (0,):
+        return ()
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"client counts are at least 1, got {text!r}")
+    return counts
+
+
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     """Each command's options, declared here so that `omnijev --help` lists them all."""
     if name in ("explain", "reference", "run"):
@@ -104,6 +117,14 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         )
         parser.add_argument("--runs", type=int, default=20)
         parser.add_argument("--reference-dtype", choices=("float32", "bfloat16"), default=None)
+        parser.add_argument(
+            "--clients",
+            type=client_counts,
+            default=None,
+            help="closed-loop clients of the traffic suite over HTTP, in turn (0: none; "
+            "default 1,4,16 on a GPU, none on the CPU, where its images take seconds each)",
+        )
+        parser.add_argument("--client-requests", type=int, default=64)
     if name == "serve":
         parser.add_argument(
             "--warm-up",

@@ -552,15 +552,21 @@ def test_the_batch_measurement_finds_every_byte_kept_where_it_is(executor) -> No
     assert "same bytes" in table(record) and "| prefix tokens |" in requests_table(record)
 
 
-def test_a_machine_whose_products_move_a_rows_bytes_merges_no_request(engines, monkeypatch):
+def test_a_machine_whose_products_move_a_rows_bytes_merges_no_request(engines) -> None:
     """Where the load-time products check finds a shape whose rows move with the pass size, the
     torch backend declares no exact batches: every request runs alone, and /metrics says so."""
-    import runtime.backends.compiled as compiled
+    from runtime.backends.compiled import TorchBackend
+    from runtime.config import RuntimeConfig
     from runtime.executor import load_engine
     from runtime.strict_json import parse_body
 
-    monkeypatch.setattr(compiled, "products_differ", lambda module, sizes: ["64x64 at 256 rows"])
-    executor = load_engine(str(engines[0]), str(engines[1]), "torch")
+    class Moving(TorchBackend):  # a machine whose BLAS sums a row otherwise at 256 rows
+        def check_products(self) -> list[str]:
+            return ["64x64 at 256 rows"]
+
+    config = RuntimeConfig.from_env(backend="torch")
+    backend = Moving(engines[0], engines[1], config)
+    executor = load_engine(str(engines[0]), str(engines[1]), config, backend=backend)
     assert executor.backend.products_differ == ["64x64 at 256 rows"]
     assert not executor.merges and not executor.check_batches()
     body = request_body(pattern_png(320, 224), question_sets()[1], "image/png")

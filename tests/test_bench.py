@@ -332,3 +332,32 @@ def test_the_kernel_profile_sums_each_requests_device_time_by_family(tmp_path_fa
     named = ["sm90_xmma_gemm_bf16", "nvjet_tst_128x256", "flash_fwd_kernel", "chunk_fwd_kernel_o"]
     assert [family(n) for n in named] == ["products", "products", "attention", "recurrence"]
     assert family("triton_poi_fused_add_0") == "other"
+
+
+def test_the_bench_serves_the_engine_to_closed_loop_clients_over_http(tmp_path_factory):
+    """`omnijev bench`'s clients (`bench.clients`): the worker serves the engine on a loopback
+    port, every suite request is answered at each client count, and the answers are compared
+    byte for byte across the counts."""
+    from bench.clients import client_runs
+    from runtime.executor import load_engine
+
+    checkpoint, engines = tiny_engines(tmp_path_factory)
+    executor = load_engine(str(checkpoint), str(engines), "torch")
+    record = client_runs(executor, (1, 4), requests=8)
+    assert [run["clients"] for run in record["runs"]] == [1, 4]
+    for run in record["runs"]:
+        assert run["ok"] == run["requests"] == 8 and run["requests_per_s"] > 0
+        assert "records" not in run
+    assert record["answers_differing"] == []
+
+
+@pytest.mark.parametrize(("text", "counts"), [("1,4,16", (1, 4, 16)), ("0", ()), ("2", (2,))])
+def test_the_bench_client_counts_parse(text, counts):
+    import argparse
+
+    from runtime.cli import client_counts
+
+    assert client_counts(text) == counts
+    for bad in ("a", "1,-4", "0,4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="client counts"):
+            client_counts(bad)

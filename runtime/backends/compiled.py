@@ -278,7 +278,7 @@ class TorchBackend:
         self.weights_seconds = time.perf_counter() - started  # a cold start's parts, reported
         self.prepare_modules(cuda)
         # merging requests needs products whose rows keep their bytes at every pass size
-        self.products_differ = products_differ(self.language, PACK_SIZES)
+        self.products_differ = self.check_products()
         if self.products_differ:
             shown = ", ".join(self.products_differ[:4])
             log.warning("products move a row's bytes here (%s): requests run alone", shown)
@@ -362,6 +362,11 @@ class TorchBackend:
             block.sdpa = cuda and half
         for module in (self.language, self.vision):
             module.requires_grad_(False)
+
+    def check_products(self) -> list[str]:
+        """This machine's products that give a row other bytes at another pass size (none: a
+        pass may merge several requests' rows)."""
+        return products_differ(self.language, PACK_SIZES)
 
     def make_functions(self) -> dict:
         """The graphs' bodies and the readout piece. On CUDA compiled by region: the vision
