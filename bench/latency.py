@@ -123,16 +123,17 @@ def cli_bench(args) -> int:
         reference = Reference(args.checkpoint, dtype=args.reference_dtype, device=args.device)
     rows = latency(executor, reference, args.runs)
     made = {"cold_start_s": cold, "rows": rows}
-    if args.clients is None:
-        args.clients = CLIENTS if executor.device.type == "cuda" else ()
-    if args.clients:
-        made["clients"] = client_runs(executor, args.clients, args.client_requests)
+    counts = args.clients
+    if counts is None:
+        counts = CLIENTS if executor.device.type == "cuda" else ()
+    if counts:
+        made["clients"] = client_runs(executor, counts, args.client_requests)
     if args.out:
         Path(args.out).write_text(json.dumps(made, indent=1))
     print(f"cold start (load + warm-up): {cold:.2f} s")
     print(latency_table(rows))
     print_host_profile(args.runs, executor)
-    if args.clients:
+    if counts:
         runs = made["clients"]["runs"]
         print(f"the traffic suite over HTTP ({args.client_requests} requests a client count):")
         print(load_table(runs))

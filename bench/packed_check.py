@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench import traffic
 from bench.kernels import kernel_profile
+from bench.kernels import requests as single_requests
 from bench.kernels import table as kernel_table
 from bench.latency import time_runs
 from bench.parity import without_latency
@@ -83,8 +84,7 @@ def stage_profile(executor, seed: int) -> dict:
     import torch
 
     made = {}
-    for name, questions, fmt in (("q1-png", 1, "PNG"), ("q12-jpeg", 12, "JPEG")):
-        body = traffic.request(seed, 0, "suite", questions, (1920, 1080), fmt).body
+    for name, body in single_requests(seed).items():
         executor.stage_sync = torch.cuda.synchronize if torch.cuda.is_available() else None
         stages: dict = executor.stages
         times = time_runs(executor.answer, body, RUNS, stages)

@@ -5,8 +5,9 @@
 # 1920x1080 JPEG and 1-question 1920x1080 PNG requests, the suite at 1, 4, 16 and 64 clients
 # (GPU busy sampled), then the worker's shape builds by phase, its passes and its GPU memory from
 # /metrics; RESTART=1 starts it once more, with the caches the first start left; QUICK=1 leaves
-# out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts. TREE is this tree (.) or another revision's
-# files (`git archive REV | tar x -C .before`, carried); the load driver is always this tree's.
+# out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts. TREE is this
+# tree (.) or another revision's files (`git archive REV | tar x -C .before`, carried); the load
+# driver is always this tree's.
 # With `check`, bench.packed_check runs last, in process (shape builds, bytes alone and together).
 #   bash bench/serve_ab.sh TREE NAME OUTDIR [check]
 set -uo pipefail
