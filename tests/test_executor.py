@@ -244,8 +244,10 @@ def test_graph_sessions_replay_under_their_own_ids_while_fixed_ones_build(engine
     expected = json.dumps(without_latency(executor.answer(body)))
     for _ in range(2):  # the second sight of the size starts the vision session's build
         assert json.dumps(without_latency(static.answer(body))) == expected
-    stats = static.backend.stats()
-    assert stats["dynamic_graphs"] == ["vision"] and stats["slots"] == 1  # reused for the size
+    # the dynamic vision session's one slot, reused for the size; the fixed sessions of the other
+    # passes, built in the background meanwhile, may already hold slots of their own
+    dynamic = [key for key in static.backend.slots.slots if key[1][0] == "dynamic"]
+    assert static.backend.stats()["dynamic_graphs"] == ["vision"] and len(dynamic) == 1
     static.settle()
     assert json.dumps(without_latency(static.answer(body))) == expected
     assert "vision" in static.backend.stats()["fixed_graphs"]  # now the fixed session's
