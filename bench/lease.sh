@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU lease's three calls, back to back on the warm machine (each within a call's 10
 # minutes; results tarred into OUTDIR, since a call returns at most 8 files):
-#   1: `bench.blas_rows` (this card's products, row count by row count, and the backend's
-#      load-time check), then the checkpoint and this tree served under the traffic suite
-#      (`bench/serve_ab.sh . new`);
+#   1: `bench.blas_rows` on cards other than the H100 (this card's products, row count by row
+#      count, and the backend's load-time check), then the checkpoint and this tree served under
+#      the traffic suite, and started once more with its caches (`bench/serve_ab.sh . new`);
 #   2: the baseline tree in .before (`git archive 226ddae | tar x -C .before`, carried) served
 #      the same way, then the reference's time on the suite's 12-question requests;
 #   3: this tree in process (`bench.packed_check`: every question alone against its request,
@@ -22,9 +22,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/card.t
 ck=/tmp/omnijev/4b-export
 case $call in
   1)
-    PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows --out "$work/blas-rows.json" \
-      > "$work/blas-rows.log" 2>&1
-    CLIENT_REQUESTS=300 timeout 470 bash bench/serve_ab.sh . new "$work"
+    # measured on the H100 already (docs/measurements/h100-2026-12-06b): other cards only
+    grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \
+      --out "$work/blas-rows.json" > "$work/blas-rows.log" 2>&1
+    RESTART=1 CLIENT_REQUESTS=300 timeout 560 bash bench/serve_ab.sh . new "$work"
     ;;
   2)
     CLIENT_REQUESTS=300 timeout 380 bash bench/serve_ab.sh .before base "$work"
@@ -33,11 +34,11 @@ case $call in
       > "$work/reference.log" 2>&1
     ;;
   3)
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 260 python3 -m bench.packed_check --checkpoint "$ck" \
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 240 python3 -m bench.packed_check --checkpoint "$ck" \
       --engines /tmp/omnijev/engines-new --requests 9 --out "$work/check.json" \
       > "$work/check.log" 2>&1
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 280 python3 -m runtime.cli parity --checkpoint "$ck" \
-      --engines /tmp/omnijev/engines-new --bf16-reference --device cuda \
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 320 python3 -m runtime.cli parity --checkpoint "$ck" \
+      --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
       --out "$work/parity.json" > "$work/parity.log" 2>&1
     ;;
   *) echo "the call is 1, 2 or 3, got $call"; exit 2 ;;
