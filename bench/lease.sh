@@ -25,10 +25,10 @@ case $call in
     # measured on the H100 already (docs/measurements/h100-2026-12-06b): other cards only
     grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \
       --out "$work/blas-rows.json" > "$work/blas-rows.log" 2>&1
-    RESTART=1 CLIENT_REQUESTS=300 timeout 560 bash bench/serve_ab.sh . new "$work"
+    RESTART=1 CLIENT_REQUESTS=300 timeout $((580 - SECONDS)) bash bench/serve_ab.sh . new "$work"
     ;;
   2)
-    CLIENT_REQUESTS=300 timeout 380 bash bench/serve_ab.sh .before base "$work"
+    CLIENT_REQUESTS=300 timeout 390 bash bench/serve_ab.sh .before base "$work"
     PYTHONPATH=/tmp/site:/tmp/fla:. timeout 180 python3 -m bench.reference_suite \
       --checkpoint "$ck" --requests 3 --runs 10 --out "$work/reference-suite.json" \
       > "$work/reference.log" 2>&1
