@@ -20,15 +20,19 @@ if [[ ! -d /tmp/site/fastapi ]]; then
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/card.txt"
 ck=/tmp/omnijev/4b-export
+# a serving run cut by its limit leaves its worker behind (it holds the port and the GPU's memory)
+stop_workers() { pkill -f "runtime.cli serve" && sleep 2; return 0; }
 case $call in
   1)
     # measured on the H100 already (docs/measurements/h100-2026-12-06b): other cards only
     grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \
       --out "$work/blas-rows.json" > "$work/blas-rows.log" 2>&1
     RESTART=1 CLIENT_REQUESTS=300 timeout $((580 - SECONDS)) bash bench/serve_ab.sh . new "$work"
+    stop_workers
     ;;
   2)
     CLIENT_REQUESTS=300 timeout 390 bash bench/serve_ab.sh .before base "$work"
+    stop_workers
     PYTHONPATH=/tmp/site:/tmp/fla:. timeout 180 python3 -m bench.reference_suite \
       --checkpoint "$ck" --requests 3 --runs 10 --out "$work/reference-suite.json" \
       > "$work/reference.log" 2>&1
