@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One GPU lease's three calls, back to back on the warm machine (each within a call's 10
-# minutes; results tarred into OUTDIR, since a call returns at most 8 files):
-#   1: `bench.blas_rows` on cards other than the H100 (this card's products, row count by row
-#      count, and the backend's load-time check), then the checkpoint and this tree served under
-#      the traffic suite, and started once more with its caches (`bench/serve_ab.sh . new`);
+# One GPU lease's calls, back to back on the warm machine, each step taking what is left of a
+# call's ten minutes (results tarred into OUTDIR, since a call returns at most 8 files):
+#   1: the checkpoint and this tree served under the traffic suite (`bench/serve_ab.sh . new`:
+#      latency at one client, 1, 4, 16 and 64 clients with every answer compared across them),
+#      then BF16 parity beside the BF16 reference's own distance to float32;
 #   2: the baseline tree in .before (`git archive 226ddae | tar x -C .before`, carried) served
-#      the same way, then the reference's time on the suite's 12-question requests;
-#   3: this tree in process (`bench.packed_check`: every question alone against its request,
-#      the stage and kernel profiles), then BF16 parity with the BF16 reference's own distance.
+#      the same way at 1 and 16 clients, the reference's time on the suite's 12-question
+#      requests, then this tree in process (`bench.packed_check`: every question alone against
+#      its request, the stage and kernel profiles);
+#   3 (where time is left): `bench.blas_rows` on cards other than the H100, then this tree
+#      started with the caches its first start left, under 16 clients.
 # Carry .gpu-wheels (and .before for call 2):
 #   BENCH_COMMIT=<sha> bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
@@ -22,28 +24,30 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/card.t
 ck=/tmp/omnijev/4b-export
 # a serving run cut by its limit leaves its worker behind (it holds the port and the GPU's memory)
 stop_workers() { pkill -f "runtime.cli serve" && sleep 2; return 0; }
+left() { echo $((585 - SECONDS)); }  # what is left of this call's ten minutes, less the tar
 case $call in
   1)
-    # measured on the H100 already (docs/measurements/h100-2026-12-06b): other cards only
-    grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \
-      --out "$work/blas-rows.json" > "$work/blas-rows.log" 2>&1
-    RESTART=1 CLIENT_REQUESTS=300 timeout $((580 - SECONDS)) bash bench/serve_ab.sh . new "$work"
+    CLIENT_REQUESTS=250 timeout $(left) bash bench/serve_ab.sh . new "$work"
     stop_workers
-    ;;
-  2)
-    CLIENT_REQUESTS=300 timeout 390 bash bench/serve_ab.sh .before base "$work"
-    stop_workers
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 180 python3 -m bench.reference_suite \
-      --checkpoint "$ck" --requests 3 --runs 10 --out "$work/reference-suite.json" \
-      > "$work/reference.log" 2>&1
-    ;;
-  3)
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 240 python3 -m bench.packed_check --checkpoint "$ck" \
-      --engines /tmp/omnijev/engines-new --requests 9 --out "$work/check.json" \
-      > "$work/check.log" 2>&1
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 320 python3 -m runtime.cli parity --checkpoint "$ck" \
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m runtime.cli parity --checkpoint "$ck" \
       --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
       --out "$work/parity.json" > "$work/parity.log" 2>&1
+    ;;
+  2)
+    CLIENTS=1,16 CLIENT_REQUESTS=250 timeout 330 bash bench/serve_ab.sh .before base "$work"
+    stop_workers
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 150 python3 -m bench.reference_suite \
+      --checkpoint "$ck" --requests 3 --runs 10 --out "$work/reference-suite.json" \
+      > "$work/reference.log" 2>&1
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m bench.packed_check --checkpoint "$ck" \
+      --engines /tmp/omnijev/engines-new --requests 6 --out "$work/check.json" \
+      > "$work/check.log" 2>&1
+    ;;
+  3)
+    grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \
+      --out "$work/blas-rows.json" > "$work/blas-rows.log" 2>&1
+    QUICK=1 CLIENTS=16 CLIENT_REQUESTS=100 timeout $(left) bash bench/serve_ab.sh . new "$work"
+    stop_workers
     ;;
   *) echo "the call is 1, 2 or 3, got $call"; exit 2 ;;
 esac
