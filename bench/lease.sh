@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/card.t
 ck=/tmp/omnijev/4b-export
 # a serving run cut by its limit leaves its worker behind (it holds the port and the GPU's memory)
 stop_workers() { pkill -f "runtime.cli serve" && sleep 2; return 0; }
-left() { echo $((585 - SECONDS)); }  # what is left of this call's ten minutes, less the tar
+left() { echo $((${CALL_S:-585} - SECONDS)); }  # what is left of the call (CALL_S, at most ten minutes), less the tar
 case $call in
   1)
     CLIENT_REQUESTS=250 timeout $(left) bash bench/serve_ab.sh . new "$work"
@@ -34,9 +34,9 @@ case $call in
       --out "$work/parity.json" > "$work/parity.log" 2>&1
     ;;
   2)
-    CLIENTS=1,16 CLIENT_REQUESTS=250 timeout 330 bash bench/serve_ab.sh .before base "$work"
+    CLIENTS=1,16 CLIENT_REQUESTS=250 timeout $(($(left) * 11 / 20)) bash bench/serve_ab.sh .before base "$work"
     stop_workers
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout 150 python3 -m bench.reference_suite \
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(($(left) * 3 / 5)) python3 -m bench.reference_suite \
       --checkpoint "$ck" --requests 3 --runs 10 --out "$work/reference-suite.json" \
       > "$work/reference.log" 2>&1
     PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m bench.packed_check --checkpoint "$ck" \
