@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # One GPU lease's calls, back to back on the warm machine, each step taking what is left of a
 # call's ten minutes (results tarred into OUTDIR, since a call returns at most 8 files):
-#   1: the checkpoint and this tree served under the traffic suite (`bench/serve_ab.sh . new`:
-#      latency at one client, 1, 4, 16 and 64 clients with every answer compared across them),
-#      then BF16 parity beside the BF16 reference's own distance to float32;
-#   2: the baseline tree in .before (`git archive 226ddae | tar x -C .before`, carried) served
-#      the same way at 1 and 16 clients, the reference's time on the suite's 12-question
-#      requests, then this tree in process (`bench.packed_check`: every question alone against
-#      its request, the stage and kernel profiles);
-#   3 (where time is left): `bench.blas_rows` on cards other than the H100, then this tree
-#      started with the caches its first start left, under 16 clients.
-# Carry .gpu-wheels (and .before for call 2):
+#   1: the checkpoint, then this tree and the baseline in .before (`git archive 226ddae | tar x
+#      -C .before`, carried) in turns, each served cold under the traffic suite
+#      (`bench/serve_ab.sh`: latency at one client, 1 and 16 clients with every answer compared);
+#   2: the reference's time on the suite's 12-question requests, BF16 parity beside the BF16
+#      reference's own distance to float32, then this tree in process (`bench.packed_check`:
+#      every question alone against its request, the stage and kernel profiles);
+#   3: `bench.blas_rows` on cards other than the H100, then this tree started with the caches
+#      its first start left, under 4 and 64 clients.
+# Carry .gpu-wheels (and .before for call 1):
 #   BENCH_COMMIT=<sha> bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
 call=${1:?usage: bench/lease.sh 1|2|3 OUTDIR}; out=${2:?usage: bench/lease.sh 1|2|3 OUTDIR}
@@ -27,18 +26,18 @@ stop_workers() { pkill -f "runtime.cli serve" && sleep 2; return 0; }
 left() { echo $((${CALL_S:-585} - SECONDS)); }  # what is left of the call (CALL_S, at most ten minutes), less the tar
 case $call in
   1)
-    CLIENT_REQUESTS=250 timeout $(left) bash bench/serve_ab.sh . new "$work"
+    CLIENTS=1,16 CLIENT_REQUESTS=250 timeout $(($(left) * 3 / 5)) bash bench/serve_ab.sh . new "$work"
     stop_workers
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m runtime.cli parity --checkpoint "$ck" \
-      --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
-      --out "$work/parity.json" > "$work/parity.log" 2>&1
+    CLIENTS=1,16 CLIENT_REQUESTS=250 timeout $(left) bash bench/serve_ab.sh .before base "$work"
+    stop_workers
     ;;
   2)
-    CLIENTS=1,16 CLIENT_REQUESTS=250 timeout $(($(left) * 11 / 20)) bash bench/serve_ab.sh .before base "$work"
-    stop_workers
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(($(left) * 3 / 5)) python3 -m bench.reference_suite \
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(($(left) / 3)) python3 -m bench.reference_suite \
       --checkpoint "$ck" --requests 3 --runs 10 --out "$work/reference-suite.json" \
       > "$work/reference.log" 2>&1
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(($(left) / 2)) python3 -m runtime.cli parity --checkpoint "$ck" \
+      --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
+      --out "$work/parity.json" > "$work/parity.log" 2>&1
     PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m bench.packed_check --checkpoint "$ck" \
       --engines /tmp/omnijev/engines-new --requests 6 --out "$work/check.json" \
       > "$work/check.log" 2>&1
@@ -46,7 +45,7 @@ case $call in
   3)
     grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \
       --out "$work/blas-rows.json" > "$work/blas-rows.log" 2>&1
-    QUICK=1 CLIENTS=16 CLIENT_REQUESTS=100 timeout $(left) bash bench/serve_ab.sh . new "$work"
+    QUICK=1 CLIENTS=4,64 CLIENT_REQUESTS=250 timeout $(left) bash bench/serve_ab.sh . new "$work"
     stop_workers
     ;;
   *) echo "the call is 1, 2 or 3, got $call"; exit 2 ;;
