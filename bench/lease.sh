@@ -26,7 +26,8 @@ stop_workers() { pkill -f "runtime.cli serve" && sleep 2; return 0; }
 left() { echo $((${CALL_S:-585} - SECONDS)); }  # what is left of the call (CALL_S, at most ten minutes), less the tar
 case $call in
   1)
-    CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(($(left) * 5 / 8)) bash bench/serve_ab.sh . new "$work"
+    CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
+    CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(($(left) / 2)) bash bench/serve_ab.sh . new "$work"
     stop_workers
     CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(left) bash bench/serve_ab.sh .before base "$work"
     stop_workers

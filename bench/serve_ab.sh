@@ -5,7 +5,8 @@
 # 1920x1080 JPEG and 1-question 1920x1080 PNG requests, the suite at 1, 4, 16 and 64 clients
 # (GPU busy sampled), then the worker's shape builds by phase, its passes and its GPU memory from
 # /metrics; RESTART=1 starts it once more, with the caches the first start left; QUICK=1 leaves
-# out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts. TREE is this
+# out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts;
+# CHECKPOINT_ONLY=1 builds the checkpoint and stops. TREE is this
 # tree (.) or another revision's files (`git archive REV | tar x -C .before`, carried); the load
 # driver is always this tree's.
 # With `check`, bench.packed_check runs last, in process (shape builds, bytes alone and together).
@@ -27,6 +28,7 @@ import shutil; from pathlib import Path
 from build_engines.checkpoints import make_checkpoint, release_path
 make_checkpoint('4b', 0, Path('$ck')); shutil.rmtree(release_path(Path('$ck')), ignore_errors=True)"
 fi
+[[ ${CHECKPOINT_ONLY:-0} == 1 ]] && exit 0
 (cd "$tree" && PYTHONPATH=/tmp/site:$tree python3 -c "
 from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '$en', 'bfloat16')")
 log "$name: serve"
