@@ -18,8 +18,9 @@ from runtime.run_passes import PassRunner, State, Stopwatch, padded_prefix, to_d
 from runtime.types import PreparedImage, PreparedVideo
 
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
-# device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b otherwise)
-VISION_TABLES = 8
+# device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b
+# otherwise); up to 6 MB each on the 4b, and traffic of a dozen image sizes keeps them all
+VISION_TABLES = 32
 
 
 class ImagePrefix:

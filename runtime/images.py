@@ -621,16 +621,14 @@ def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     return resized[0].permute(1, 2, 0).contiguous().numpy()
 
 
-def cubic_aa(x: float) -> float:
+def cubic_aa(x: np.ndarray) -> np.ndarray:
     """PyTorch's antialiased bicubic filter (HelperInterpCubic::aa_filter, Keys a = -0.5, as
-    PIL), in its expression order."""
+    PIL), in its expression order, on float64 arrays."""
     a = CUBIC_A
-    x = abs(x)
-    if x < 1.0:
-        return ((a + 2) * x - (a + 3)) * x * x + 1
-    if x < 2.0:
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return 0.0
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
 
 
 @functools.lru_cache(maxsize=64)
@@ -641,28 +639,28 @@ def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
     PyTorch's HelperInterpBase::_compute_indices_min_size_weights_aa and
     _compute_index_ranges_int16_weights (aten/src/ATen/native/cpu/UpSampleKernel.cpp): PIL's
     centre and support in float64, weights normalised by their sum, rescaled at the largest
-    precision that keeps the axis's largest weight under 2^15, rounded half away from zero."""
+    precision that keeps the axis's largest weight under 2^15, rounded half away from zero.
+    Every output at once, each float64 operation in the C++ order (a new image size's first
+    request pays this on the host)."""
     scale = in_size / out_size
     support = (CUBIC_TAPS * 0.5) * scale if scale >= 1.0 else CUBIC_TAPS * 0.5
     taps = math.ceil(support) * 2 + 1
     invscale = 1.0 / scale if scale >= 1.0 else 1.0
-    index = np.zeros((out_size, taps), dtype=np.int64)
-    weights = np.zeros((out_size, taps), dtype=np.float64)
-    largest = 0.0
-    for i in range(out_size):
-        center = scale * (i + 0.5)
-        xmin = max(int(center - support + 0.5), 0)
-        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), taps)
-        row = [cubic_aa((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
-        total = 0.0
-        for w in row:  # in order, as C++ adds (Python 3.12's sum() compensates)
-            total += w
-        if total != 0.0:
-            row = [w / total for w in row]
-            largest = max(largest, *row)
-        index[i, :xsize] = np.arange(xmin, xmin + xsize)
-        index[i, xsize:] = xmin
-        weights[i, :xsize] = row
+    center = scale * (np.arange(out_size, dtype=np.float64) + 0.5)
+    xmin = np.maximum(np.trunc(center - support + 0.5).astype(np.int64), 0)
+    end = np.minimum(np.trunc(center + support + 0.5).astype(np.int64), in_size)
+    xsize = np.minimum(np.maximum(end - xmin, 0), taps)
+    j = np.arange(taps, dtype=np.int64)
+    own = j[None, :] < xsize[:, None]
+    source = xmin[:, None] + j[None, :]
+    row = np.where(own, cubic_aa(((source - center[:, None]) + 0.5) * invscale), 0.0)
+    total = np.zeros(out_size, dtype=np.float64)
+    for column in range(taps):  # in order, as C++ adds
+        total = total + row[:, column]
+    summed = total != 0.0
+    weights = np.divide(row, total[:, None], out=row.copy(), where=summed[:, None])
+    largest = max(0.0, float(weights[summed].max(initial=0.0)))
+    index = np.where(own, source, xmin[:, None])
     precision = 0
     while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
         precision += 1
