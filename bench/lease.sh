@@ -8,7 +8,7 @@
 #      reference's own distance to float32, then this tree in process (`bench.packed_check`:
 #      every question alone against its request, the stage and kernel profiles);
 #   3: `bench.blas_rows` on cards other than the H100, then this tree started with the caches
-#      its first start left, under 4 and 64 clients.
+#      its first start left, under 4 and 64 clients, and again with `--merge off` at one client.
 # Carry .gpu-wheels (and .before for call 1):
 #   BENCH_COMMIT=<sha> bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
@@ -46,7 +46,12 @@ case $call in
   3)
     grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \
       --out "$work/blas-rows.json" > "$work/blas-rows.log" 2>&1
-    QUICK=1 CLIENTS=4,64 CLIENT_REQUESTS=250 timeout $(left) bash bench/serve_ab.sh . new "$work"
+    QUICK=1 CLIENTS=4,64 CLIENT_REQUESTS=250 timeout $(($(left) * 2 / 3)) bash bench/serve_ab.sh \
+      . new "$work"
+    stop_workers
+    # one client with every request alone, against call 1's one client (issue 47)
+    ENGINES_OF=new SERVE_ARGS="--merge off" QUICK=1 CLIENTS=1 CLIENT_REQUESTS=200 timeout $(left) \
+      bash bench/serve_ab.sh . alone "$work"
     stop_workers
     ;;
   *) echo "the call is 1, 2 or 3, got $call"; exit 2 ;;

@@ -6,7 +6,8 @@
 # (GPU busy sampled), then the worker's shape builds by phase, its passes and its GPU memory from
 # /metrics; RESTART=1 starts it once more, with the caches the first start left; QUICK=1 leaves
 # out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts;
-# CHECKPOINT_ONLY=1 builds the checkpoint and stops. TREE is this
+# CHECKPOINT_ONLY=1 builds the checkpoint and stops; SERVE_ARGS adds to `omnijev serve`'s
+# options (`--merge off`), ENGINES_OF=NAME serves NAME's engine directory. TREE is this
 # tree (.) or another revision's files (`git archive REV | tar x -C .before`, carried); the load
 # driver is always this tree's.
 # With `check`, bench.packed_check runs last, in process (shape builds, bytes alone and together).
@@ -19,7 +20,7 @@ if [[ ! -d /tmp/site/fastapi ]]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
 fi
 export FLA_PATH=/tmp/fla PYTHONUNBUFFERED=1
-ck=/tmp/omnijev/4b-export; en=/tmp/omnijev/engines-$name; url=http://127.0.0.1:8000
+ck=/tmp/omnijev/4b-export; en=/tmp/omnijev/engines-${ENGINES_OF:-$name}; url=http://127.0.0.1:8000
 log() { echo "[$(date +%T), ${SECONDS} s] $*" | tee -a "$out/log.txt"; }
 if [[ ! -d $ck ]]; then
   log "checkpoint"
@@ -33,7 +34,7 @@ fi
 from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '$en', 'bfloat16')")
 log "$name: serve"
 (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree exec python3 -m runtime.cli serve \
-  --checkpoint "$ck" --engines "$en" --port 8000 --prefix-cache 0 --backend torch \
+  --checkpoint "$ck" --engines "$en" --port 8000 --prefix-cache 0 --backend torch ${SERVE_ARGS:-} \
   > "$out/$name-server.log" 2>&1) &
 server=$!
 until curl -sf $url/health > /dev/null; do
@@ -67,7 +68,7 @@ kill $server; wait $server 2> /dev/null
 log "$name: served"
 if [[ ${RESTART:-0} == 1 ]]; then  # a second start, with the engine directory's caches now
   (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/fla:$tree exec python3 -m runtime.cli serve \
-    --checkpoint "$ck" --engines "$en" --port 8000 --prefix-cache 0 --backend torch \
+    --checkpoint "$ck" --engines "$en" --port 8000 --prefix-cache 0 --backend torch ${SERVE_ARGS:-} \
     > "$out/$name-server2.log" 2>&1) &
   server=$!; started=$SECONDS
   until curl -sf $url/health > /dev/null; do

@@ -45,6 +45,9 @@ class RuntimeConfig:
     ort_threads: int = 0
     # the TensorRT readout plugin, where the deployment installs it; None: plugins/build/
     plugin_library: str | None = None
+    # waiting requests share passes where the backend keeps every byte (checked at load); off:
+    # each request runs alone, its time independent of other clients' requests
+    merge: bool = True
 
     def __post_init__(self) -> None:
         if self.prefix_cache < 0:
@@ -97,7 +100,14 @@ def docs_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return (os.environ if environ is None else environ).get(DOCS, "1") != "0"
 
 
+SWITCH = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False}
+
+
 def parse(name: str, raw: str, kind: object) -> object:
+    if "bool" in str(kind):
+        if raw.lower() not in SWITCH:
+            raise ValueError(f"{PREFIX}{name.upper()} must be on or off, got {raw!r}")
+        return SWITCH[raw.lower()]
     if "int" in str(kind):
         try:
             return int(raw)
@@ -134,3 +144,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="TensorRT readout plugin .so (default: plugins/build)",
     )
+    group.add_argument(
+        "--merge",
+        type=switch,
+        default=None,
+        help="on or off: waiting requests share passes where the engine keeps every byte "
+        "(default on)",
+    )
+
+
+def switch(raw: str) -> bool:
+    """An on/off command-line value."""
+    if raw.lower() not in SWITCH:
+        raise argparse.ArgumentTypeError(f"must be on or off, got {raw!r}")
+    return SWITCH[raw.lower()]

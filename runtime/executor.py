@@ -130,9 +130,9 @@ class Executor:
             log.warning("heads: the MLPs behind the passes fail the check, not used")
         self.stages: dict[str, float] = {}  # seconds per stage of the last request
         self.stage_sync = None  # a callable that waits for the device: per-stage device time
-        # requests may run as one batch where the backend's batches keep the bytes
-        # (`Capabilities.merges`), unless `check_batches` finds otherwise on this machine
-        self.merges = self.backend.capabilities.merges
+        # requests may run as one batch where the deployment lets them and the backend's
+        # batches keep the bytes (`Capabilities.merges`), unless `check_batches` finds otherwise
+        self.merges = self.config.merge and self.backend.capabilities.merges
         self.passes = PassCounts()  # what the executed passes held (/metrics)
         self.running: deque[torch.cuda.Event] = deque()  # the device's batches not yet done
 

@@ -552,6 +552,34 @@ def test_the_batch_measurement_finds_every_byte_kept_where_it_is(executor) -> No
     assert "same bytes" in table(record) and "| prefix tokens |" in requests_table(record)
 
 
+def test_a_deployment_may_run_every_request_alone(engines) -> None:
+    """`--merge off` on a backend whose batches keep every byte: no batch key, no warm-up pair,
+    /metrics says 0, and requests sent at once under a batch wait each run alone."""
+    from runtime.config import RuntimeConfig
+    from runtime.executor import load_engine
+    from runtime.strict_json import parse_body
+
+    config = RuntimeConfig.from_env(backend="torch", merge=False)
+    executor = load_engine(str(engines[0]), str(engines[1]), config)
+    assert executor.backend.capabilities.merges  # the backend would merge: the setting decides
+    assert not executor.merges and not executor.check_batches()
+    image = pattern_png(320, 224)
+    bodies = [request_body(image, questions, "image/png") for questions in question_sets()[:3]]
+    assert executor.batch_key(executor.prepare(parse_body(bodies[0])))[0] is None
+    with ThreadServer(executor, batch_wait_s=0.5) as server:
+        wait_ready(server.url)
+        post = poster(server.url)
+        warmed = batch_counts(server.url)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(post, bodies))
+        served = batch_counts(server.url)
+        alone = [post(body) for body in bodies]
+        assert metric(httpx.get(server.url + "/metrics").text, "omnijev_requests_merge") == 0.0
+    assert [answer_bytes(r) for r in together] == [answer_bytes(r) for r in alone]
+    count, requests = (b - a for a, b in zip(warmed, served, strict=True))
+    assert count == requests == len(bodies)
+
+
 def test_a_machine_whose_products_move_a_rows_bytes_merges_no_request(engines) -> None:
     """Where the load-time products check finds a shape whose rows move with the pass size, the
     torch backend declares no exact batches: every request runs alone, and /metrics says so."""

@@ -29,6 +29,18 @@ def test_bad_settings_are_refused_with_the_limit():
         RuntimeConfig(question_batch=17)
     with pytest.raises(ValueError, match="ort_threads must be at least 0, got -1"):
         RuntimeConfig.from_env({"OMNIJEV_ORT_THREADS": "-1"})
+    with pytest.raises(ValueError, match="OMNIJEV_MERGE must be on or off, got 'maybe'"):
+        RuntimeConfig.from_env({"OMNIJEV_MERGE": "maybe"})
+
+
+def test_merging_is_switched_by_on_or_off():
+    assert RuntimeConfig().merge and RuntimeConfig.from_env({"OMNIJEV_MERGE": "ON"}).merge
+    assert not RuntimeConfig.from_env({"OMNIJEV_MERGE": "0"}).merge
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser)
+    assert not RuntimeConfig.from_args(parser.parse_args(["--merge", "off"]), environ={}).merge
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--merge", "sometimes"])
 
 
 def test_command_line_options_cover_every_setting():
