@@ -9,15 +9,20 @@
 #      every question alone against its request, the stage and kernel profiles);
 #   3: `bench.blas_rows` on cards other than the H100, then this tree started with the caches
 #      its first start left, under 4 and 64 clients, and again with `--merge off` at one client.
+#   4: this tree with clips (PyAV carried in .gpu-wheels/video): a 16-frame 1280x720 clip of 12
+#      questions against a still, and stills under 16 clients with and without a quarter clips.
 # Carry .gpu-wheels (and .before for call 1):
 #   BENCH_COMMIT=<sha> bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
-call=${1:?usage: bench/lease.sh 1|2|3 OUTDIR}; out=${2:?usage: bench/lease.sh 1|2|3 OUTDIR}
+call=${1:?usage: bench/lease.sh 1|2|3|4 OUTDIR}; out=${2:?usage: bench/lease.sh 1|2|3|4 OUTDIR}
 work=/tmp/lease-$call; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
 if [[ ! -d /tmp/site/fastapi ]]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
   python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
+fi
+if [[ -d .gpu-wheels/video && ! -d /tmp/site/av ]]; then  # PyAV, for clips (call 4)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/video/*.whl
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/card.txt"
 ck=/tmp/omnijev/4b-export
@@ -54,7 +59,11 @@ case $call in
       bash bench/serve_ab.sh . alone "$work"
     stop_workers
     ;;
-  *) echo "the call is 1, 2 or 3, got $call"; exit 2 ;;
+  4)
+    ENGINES_OF=new VIDEO=1 QUICK=1 CLIENTS=none timeout $(left) bash bench/serve_ab.sh . video "$work"
+    stop_workers
+    ;;
+  *) echo "the call is 1 to 4, got $call"; exit 2 ;;
 esac
 tar czf "$out/lease-$call.tgz" -C "$work" .
 cp "$work/log.txt" "$out/" 2> /dev/null

@@ -34,6 +34,8 @@ QUANTILES = (0.5, 0.9, 0.99)
 SERVER_STAGES = ("prepare", "queue_wait", "execute", "total")  # server.metrics.STAGES
 STAGE_METRIC = "omnijev_stage_seconds"  # server.metrics: a histogram labelled by stage
 BATCH_METRIC = "omnijev_batch_requests"  # server.metrics: requests per executed batch
+MAX_CLIP_FRAMES = 16  # runtime.video.MAX_FRAMES: the contract's frames a clip
+CLIP_DRAWS = 1 << 20  # the index of the draws that pick a mixed run's clips, apart from requests'
 
 
 class Client(threading.Thread):
@@ -212,14 +214,30 @@ def suite_bodies(args: argparse.Namespace, count: int, stream: str) -> tuple[lis
     size = tuple(int(x) for x in args.image_size.lower().split("x")) if args.image_size else None
     fmt = args.format.upper() if args.format else None
     made = [
-        traffic.request(args.seed, i, stream, args.questions, size, fmt, args.images)
-        for i in range(count)
+        traffic.request(args.seed, i, stream, args.questions, size, fmt, args.images, clip)
+        for i, clip in enumerate(clip_frames(args, count, stream))
     ]
     described = [
         {"size": list(r.size), "format": r.format, "questions": r.questions, "rows": r.options}
         for r in made
     ]
     return [r.body for r in made], described
+
+
+def clip_frames(args: argparse.Namespace, count: int, stream: str) -> list[int | None]:
+    """Each request's clip frames, None for a still: `--clip-share` of them, drawn by index."""
+    if not args.clip_frames:
+        return [None] * count
+    draws = traffic.rng_for(args.seed, stream, CLIP_DRAWS).random(count)
+    return [args.clip_frames if draw < args.clip_share else None for draw in draws]
+
+
+def by_format(report: dict) -> dict[str, dict[str, float]]:
+    """p50 and p99 of each kind of request in a run (stills by format, clips as MP4)."""
+    kinds: dict[str, list[float]] = {}
+    for record in report["records"]:
+        kinds.setdefault(record.get("format", "-"), []).append(record["latency_ms"])
+    return {k: {"p50": quantile(v, 0.5), "p99": quantile(v, 0.99)} for k, v in kinds.items()}
 
 
 def table(reports: list[dict]) -> str:
@@ -260,6 +278,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="traffic: requests about K screenshots in turn (default: each its own)",
     )
     parser.add_argument(
+        "--clip-frames", type=int, default=0, metavar="K", help="traffic: clips of K frames"
+    )
+    parser.add_argument(
+        "--clip-share",
+        type=float,
+        default=1.0,
+        help="traffic: the share of requests that are clips, the rest stills (default all)",
+    )
+    parser.add_argument(
         "--warm-up", type=int, default=0, help="requests of the warm-up stream first, not counted"
     )
     parser.add_argument(
@@ -273,6 +300,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"the bench has 1, 3, 6 or 12 questions, got {args.questions}")
     if args.image_size and not re.fullmatch(r"\d+[xX]\d+", args.image_size):
         parser.error(f"--image-size wants WIDTHxHEIGHT, got {args.image_size!r}")
+    if not 0 <= args.clip_frames <= MAX_CLIP_FRAMES:
+        parser.error(f"--clip-frames must be 0 to {MAX_CLIP_FRAMES}, got {args.clip_frames}")
+    if not 0.0 <= args.clip_share <= 1.0:
+        parser.error(f"--clip-share must be 0 to 1, got {args.clip_share}")
     try:
         args.clients = [int(n) for n in args.clients.split(",")]
     except ValueError:
@@ -300,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
     print(table(reports))
+    if args.clip_frames and args.clip_share < 1.0:
+        for report in reports:
+            kinds = ", ".join(
+                f"{kind} p50 {q['p50']:.1f} / p99 {q['p99']:.1f} ms"
+                for kind, q in by_format(report).items()
+            )
+            print(f"{report['clients']} clients: {kinds}")
     if len(reports) > 1:
         verdict = f"no: {len(differing)} differ" if differing else "yes"
         print(f"every answer the same bytes in each run ({args.clients} clients): {verdict}")

@@ -5,7 +5,8 @@
 # 1920x1080 JPEG and 1-question 1920x1080 PNG requests, the suite at 1, 4, 16 and 64 clients
 # (GPU busy sampled), then the worker's shape builds by phase, its passes and its GPU memory from
 # /metrics; RESTART=1 starts it once more, with the caches the first start left; QUICK=1 leaves
-# out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts;
+# out the mixed and held-out single-client runs, CLIENTS=1,16 other client counts (none:
+# no such run); VIDEO=1 adds a 16-frame clip against a still and stills beside clips;
 # CHECKPOINT_ONLY=1 builds the checkpoint and stops; SERVE_ARGS adds to `omnijev serve`'s
 # options (`--merge off`), ENGINES_OF=NAME serves NAME's engine directory. TREE is this
 # tree (.) or another revision's files (`git archive REV | tar x -C .before`, carried); the load
@@ -52,6 +53,12 @@ load() {  # NAME-SUFFIX, then bench.load's options
 load q12-jpeg --clients 1 --requests 20 --questions 12 --image-size 1920x1080 --format jpeg
 load q1-png --clients 1 --requests 20 --questions 1 --image-size 1920x1080 --format png
 [[ ${QUICK:-0} == 1 ]] || load heldout-c1 --clients 1 --requests 60 --held-out
+if [[ ${VIDEO:-0} == 1 ]]; then  # issue 48: a 16-frame clip against a still, then mixed load
+  load still-720p --clients 1 --requests 20 --questions 12 --image-size 1280x720 --format png
+  load clip-16 --clients 1 --requests 20 --questions 12 --image-size 1280x720 --clip-frames 16
+  load stills-c16 --clients 16 --requests 200
+  load mixed-c16 --clients 16 --requests 200 --clip-frames 16 --clip-share 0.25
+fi
 curl -s $url/metrics > "$out/$name-metrics-before.txt"
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 \
   > "$out/$name-gpu-busy.csv" &
@@ -59,7 +66,8 @@ smi=$!
 # the same suite requests at 1, 4, 16 and 64 clients in turn: requests/s, p50/p99, and whether
 # every request's answers are the same bytes in every run (alone, and batched under load); a 503
 # is retried after its Retry-After, as the SDKs do, so that 64 clients count what was served
-load clients --clients ${CLIENTS:-1,4,16,64} --requests ${CLIENT_REQUESTS:-300} --retries 30
+[[ ${CLIENTS:-} == none ]] ||
+  load clients --clients ${CLIENTS:-1,4,16,64} --requests ${CLIENT_REQUESTS:-300} --retries 30
 kill $smi
 curl -s $url/metrics > "$out/$name-metrics.txt"
 grep -E "^omnijev_(shape_build|cuda_memory|packed|pass_|device_busy)" "$out/$name-metrics.txt" | tee -a "$out/log.txt"

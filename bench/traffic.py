@@ -6,6 +6,7 @@ Choices of 2 to 255 options whose texts share no lead, Scores of 2 to 10 levels,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from bench.workloads import body, encode
+from reference.questions import MODEL_ID
 
 # (width, height): phone portraits, desktop and laptop screens, 1440p, 4K, a wide 3:1 and a
 # tablet portrait; every block of len(SIZES) requests holds each once, in a seeded order
@@ -43,6 +45,10 @@ SCORE_LEVELS = (2, 10)
 REGION_SHARE = 0.3  # Nouls asked about a region
 FORM_SHARE = 0.2  # Choices and Scores sent in the `criteria` form
 MAX_TAIL_WORDS = 8  # an option text's words after its lead: rows of different lengths
+CLIP_FPS = 2  # a clip's frames a second: 16 frames are 8 s, a decision about motion
+# distinct clips a run cycles through: encoding is the driver's slowest step (about 1 s for 16
+# frames of 1280x720), so serve with the prefix cache off to run every clip's frames
+CLIP_VARIANTS = 4
 
 NOULS = (
     "A dialog box is open.",
@@ -284,10 +290,13 @@ def request(
     size: tuple[int, int] | None = None,
     fmt: str | None = None,
     images: int | None = None,
+    clip: int | None = None,
 ) -> TrafficRequest:
     """Request `index` of a seed's stream; `questions`, `size` and `fmt` fix what they name;
     with `images`, the requests ask about that many screenshots in turn (request i about
-    screenshot i mod `images`), as clients that ask several sets of questions about one screen."""
+    screenshot i mod `images`), as clients that ask several sets of questions about one screen;
+    with `clip`, the same questions about a clip of that many frames at the size (H.264 in MP4,
+    CLIP_FPS frames a second) in place of the still."""
     rng = rng_for(seed, stream, index)
     shown = index % images if images else index
     # with `images`, a screenshot's draws come from a stream of their own, the same for every
@@ -297,10 +306,26 @@ def request(
     fmt = fmt or FORMATS[int(image_rng.integers(0, len(FORMATS)))]
     count = questions or int(rng.integers(1, MAX_QUESTIONS + 1))
     label = f"{stream} {seed}.{shown}"
-    image = encode(screenshot(*size, image_rng, label), fmt)
+    still = screenshot(*size, image_rng, label)  # drawn for a clip too: the same questions follow
     chosen = questions_for(rng, count, size)
     rows = sum(answer_rows(q) for q in chosen.values())
-    return TrafficRequest(index, size, fmt, count, rows, body(image, MIMES[fmt], chosen))
+    if clip:
+        return TrafficRequest(index, size, "MP4", count, rows, clip_body(clip, size, shown, chosen))
+    payload = body(encode(still, fmt), MIMES[fmt], chosen)
+    return TrafficRequest(index, size, fmt, count, rows, payload)
+
+
+def clip_body(frames: int, size: tuple[int, int], index: int, questions: dict[str, dict]) -> bytes:
+    """A native request about a clip of `frames` moving-shape frames (`bench.clips`)."""
+    state = {"video": clip_url(frames, size, index % CLIP_VARIANTS)}
+    return json.dumps({"model": MODEL_ID, "state": state, "questions": questions}).encode()
+
+
+@functools.lru_cache(maxsize=64)
+def clip_url(frames: int, size: tuple[int, int], seed: int) -> str:
+    from bench.clips import clip, video_url
+
+    return video_url(*clip(frames, *size, fps=CLIP_FPS, seed=seed))
 
 
 def stream(seed: int, count: int, held_out: bool = False, **fixed) -> Iterator[TrafficRequest]:

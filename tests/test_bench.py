@@ -106,6 +106,8 @@ def test_load_driver_refuses_bad_options_with_a_message(capsys):
         (["--questions", "17"], "--questions must be 1 to 16, got 17"),
         (["--image-size", "big"], "--image-size wants WIDTHxHEIGHT"),
         (["--suite", "bench", "--questions", "5"], "the bench has 1, 3, 6 or 12 questions"),
+        (["--clip-frames", "17"], "--clip-frames must be 0 to 16, got 17"),
+        (["--clip-frames", "4", "--clip-share", "2"], "--clip-share must be 0 to 1, got 2.0"),
     ):
         with pytest.raises(SystemExit):
             load.parse_args(argv)

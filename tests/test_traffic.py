@@ -91,6 +91,29 @@ def test_the_load_driver_sends_bench_requests_too():
         assert load.main([*argv, "--suite", "bench", "--questions", "3"]) == 0
 
 
+def test_the_load_driver_mixes_clips_with_stills(tmp_path, capsys):
+    """`--clip-frames K --clip-share F`: that share of the requests ask the same questions about a
+    K-frame clip (H.264) in place of their still; the worker answers every one, and the driver
+    gives each kind's quantiles."""
+    out = tmp_path / "load.json"
+    with ThreadServer(RealishEngine()) as server:
+        argv = ["--url", f"{server.url}/v1/systemone", "--clients", "2", "--requests", "6"]
+        argv += ["--image-size", "320x240", "--questions", "2", "--out", str(out)]
+        assert load.main([*argv, "--clip-frames", "3", "--clip-share", "0.5"]) == 0
+    records = json.loads(out.read_text())["runs"][0]["records"]
+    kinds = [r["format"] for r in records]
+    assert "MP4" in kinds and set(kinds) - {"MP4"} and all(r["status"] == 200 for r in records)
+    assert "2 clients: " in capsys.readouterr().out
+    clip = traffic.request(0, 1, questions=2, size=(320, 240), clip=3)
+    still = traffic.request(0, 1, questions=2, size=(320, 240))
+    assert json.loads(clip.body)["state"]["video"].startswith("data:video/mp4;base64,")
+    assert json.loads(clip.body)["questions"] == json.loads(still.body)["questions"]
+    assert load.clip_frames(load.parse_args(["--clip-frames", "16"]), 3, "suite") == [16] * 3
+    records = [{"format": "MP4", "latency_ms": 9.0}, {"format": "PNG", "latency_ms": 1.0}]
+    kinds = load.by_format({"records": records})
+    assert kinds == {"MP4": {"p50": 9.0, "p99": 9.0}, "PNG": {"p50": 1.0, "p99": 1.0}}
+
+
 def test_requests_about_a_few_screenshots_share_their_images():
     made = [traffic.request(0, index, images=2) for index in range(4)]
     images = [json.loads(r.body)["state"]["images"][0] for r in made]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.clips import clip, encode_clip, moving_frames, video_url
 from reference.questions import data_url, pattern_png
 from runtime import video
 from runtime.contract import compile_request
@@ -17,7 +18,7 @@ from runtime.strict_json import parse_body
 from runtime.tokenizer import load_tokenizer
 from runtime.video_prepare import video_prompt
 from runtime.video_tracks import ebml_elements, mp4_tracks, webm_tracks
-from tests.video_clips import clip, encode_clip, mosaic_state, moving_frames, video_body, video_url
+from tests.video_clips import mosaic_state, video_body
 from tools.hostile_videos import encode, repeated
 
 QUESTIONS = {"fell": {"type": "noul", "instructions": "Did it fall?  "}}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.clips import clip, video_url
 from bench.parity import compare
 from reference.questions import gate_questions
 from runtime.contract import compile_request
@@ -16,7 +17,7 @@ from runtime.processing import prepare
 from runtime.strict_json import parse_body
 from runtime.video import video_file, video_frames
 from tests.engine_fixtures import tiny_engines
-from tests.video_clips import clip, mosaic_state, video_body, video_url
+from tests.video_clips import mosaic_state, video_body
 
 PARITY = 1.0001e-4  # the 1e-4 on answers rounded to four decimals (tests/test_executor.py)
 QUESTIONS = {

@@ -15,9 +15,10 @@ from system_one import SystemOne
 from system_one.schemas import ChoiceAnswer, NoulAnswer, ScoreAnswer
 from system_one.settings import HTTPConfig
 
+from bench.clips import clip, video_url
 from runtime.video import video_file, video_frames
 from tests import wire_helpers
-from tests.video_clips import clip, mosaic_state, video_url
+from tests.video_clips import mosaic_state
 from tests.wire_helpers import CHOICES, IMAGE, LEVELS, MODEL
 
 NATIVE = "/v1/systemone"
