@@ -11,10 +11,12 @@
 #      its first start left, under 4 and 64 clients, and again with `--merge off` at one client.
 #   4: this tree with clips (PyAV carried in .gpu-wheels/video): a 16-frame 1280x720 clip of 12
 #      questions against a still, and stills under 16 clients with and without a quarter clips.
+#   5: `omnijev bench`'s six workloads in process, this tree then the baseline (after call 1 on
+#      the same warm machine, which built both engine directories; carry .before).
 # Carry .gpu-wheels (and .before for call 1):
 #   BENCH_COMMIT=<sha> bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
-call=${1:?usage: bench/lease.sh 1|2|3|4 OUTDIR}; out=${2:?usage: bench/lease.sh 1|2|3|4 OUTDIR}
+call=${1:?usage: bench/lease.sh 1-5 OUTDIR}; out=${2:?usage: bench/lease.sh 1-5 OUTDIR}
 work=/tmp/lease-$call; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
 if [[ ! -d /tmp/site/fastapi ]]; then
@@ -63,7 +65,16 @@ case $call in
     ENGINES_OF=new VIDEO=1 QUICK=1 CLIENTS=none timeout $(left) bash bench/serve_ab.sh . video "$work"
     stop_workers
     ;;
-  *) echo "the call is 1 to 4, got $call"; exit 2 ;;
+  5)
+    # the bench's six workloads in process, this tree then the baseline (issue 46: ≤ 10 % slower)
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(($(left) / 2)) python3 -m runtime.cli bench \
+      --checkpoint "$ck" --engines /tmp/omnijev/engines-new --backend torch --prefix-cache 0 \
+      --clients 0 --out "$work/bench-new.json" > "$work/bench-new.log" 2>&1
+    (cd .before && PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m runtime.cli bench \
+      --checkpoint "$ck" --engines /tmp/omnijev/engines-base --backend torch --prefix-cache 0 \
+      --out "$work/bench-base.json" > "$work/bench-base.log" 2>&1)
+    ;;
+  *) echo "the call is 1 to 5, got $call"; exit 2 ;;
 esac
 tar czf "$out/lease-$call.tgz" -C "$work" .
 cp "$work/log.txt" "$out/" 2> /dev/null
