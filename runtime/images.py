@@ -659,7 +659,7 @@ def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
         total = total + row[:, column]
     summed = total != 0.0
     weights = np.divide(row, total[:, None], out=row.copy(), where=summed[:, None])
-    largest = max(0.0, float(weights[summed].max(initial=0.0)))
+    largest = float(weights[summed].max(initial=0.0))
     index = np.where(own, source, xmin[:, None])
     precision = 0
     while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):

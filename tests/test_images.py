@@ -475,7 +475,7 @@ def test_device_pixel_values_equal_the_host_patches(size):
 # budget keeps, one side kept while the other changes, and the aspect ratio's limit
 RESIZE_SIZES = [
     (1600, 900), (1920, 1080), (1024, 768), (2048, 1536), (65, 33), (457, 123), (320, 224),
-    (320, 500), (200, 1), (3000, 17), (97, 4000),
+    (320, 500), (200, 1), (3000, 17), (97, 4000), (3999, 2001), (1366, 768),
 ]  # fmt: skip
 
 
