@@ -326,9 +326,11 @@ def answer_bytes(response: httpx.Response) -> str:
     return json.dumps(without_latency(response.json()))
 
 
-def assert_batched_as_alone(engine, bodies: list[bytes]) -> None:
-    """`bodies` sent at once through the worker with a batch wait, so that they batch, then each
-    alone: fewer batches than requests, and each answer the bytes it has alone."""
+def at_once_then_alone(engine, bodies: list[bytes]) -> tuple[tuple, tuple, float]:
+    """`bodies` sent at once through the worker with a batch wait, so that they batch where the
+    engine merges, then each alone; each answer must be the bytes it has alone. The batch counts
+    after the warm-up, the batches and requests the bodies sent at once added, and
+    `omnijev_requests_merge`."""
     with ThreadServer(engine, batch_wait_s=0.5) as server:
         wait_ready(server.url)
         post = poster(server.url)
@@ -337,11 +339,19 @@ def assert_batched_as_alone(engine, bodies: list[bytes]) -> None:
             together = list(pool.map(post, bodies))
         served = batch_counts(server.url)
         alone = [post(body) for body in bodies]
+        merge = metric(httpx.get(server.url + "/metrics").text, "omnijev_requests_merge")
+    assert [answer_bytes(r) for r in together] == [answer_bytes(r) for r in alone]
+    added = tuple(b - a for a, b in zip(warmed, served, strict=True))
+    return warmed, added, merge
+
+
+def assert_batched_as_alone(engine, bodies: list[bytes]) -> None:
+    """`bodies` sent at once batch: fewer batches than requests, each answer the bytes it has
+    alone."""
+    warmed, (count, requests), merge = at_once_then_alone(engine, bodies)
     # the warm-up: its request alone, the batch check (the request with its companion), then
     # the common pass shapes noted for building (none on the CPU), each a turn of the thread
-    assert warmed == (3, 3) and engine.merges
-    assert [answer_bytes(r) for r in together] == [answer_bytes(r) for r in alone]
-    count, requests = (b - a for a, b in zip(warmed, served, strict=True))
+    assert warmed == (3, 3) and engine.merges and merge == 1.0
     assert requests == len(bodies) and count < len(bodies), "no two requests shared a batch"
 
 
@@ -566,18 +576,8 @@ def test_a_deployment_may_run_every_request_alone(engines) -> None:
     image = pattern_png(320, 224)
     bodies = [request_body(image, questions, "image/png") for questions in question_sets()[:3]]
     assert executor.batch_key(executor.prepare(parse_body(bodies[0])))[0] is None
-    with ThreadServer(executor, batch_wait_s=0.5) as server:
-        wait_ready(server.url)
-        post = poster(server.url)
-        warmed = batch_counts(server.url)
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            together = list(pool.map(post, bodies))
-        served = batch_counts(server.url)
-        alone = [post(body) for body in bodies]
-        assert metric(httpx.get(server.url + "/metrics").text, "omnijev_requests_merge") == 0.0
-    assert [answer_bytes(r) for r in together] == [answer_bytes(r) for r in alone]
-    count, requests = (b - a for a, b in zip(warmed, served, strict=True))
-    assert count == requests == len(bodies)
+    _, (count, requests), merge = at_once_then_alone(executor, bodies)
+    assert count == requests == len(bodies) and merge == 0.0
 
 
 def test_a_machine_whose_products_move_a_rows_bytes_merges_no_request(engines) -> None:
