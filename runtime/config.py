@@ -105,9 +105,10 @@ SWITCH = {"1": True, "on": True, "true": True, "0": False, "off": False, "false"
 
 def parse(name: str, raw: str, kind: object) -> object:
     if "bool" in str(kind):
-        if raw.lower() not in SWITCH:
-            raise ValueError(f"{PREFIX}{name.upper()} must be on or off, got {raw!r}")
-        return SWITCH[raw.lower()]
+        try:
+            return switch(raw)
+        except argparse.ArgumentTypeError:
+            raise ValueError(f"{PREFIX}{name.upper()} must be on or off, got {raw!r}") from None
     if "int" in str(kind):
         try:
             return int(raw)

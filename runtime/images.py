@@ -658,7 +658,8 @@ def resize_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, in
     for column in range(taps):  # in order, as C++ adds
         total = total + row[:, column]
     summed = total != 0.0
-    weights = np.divide(row, total[:, None], out=row.copy(), where=summed[:, None])
+    # in place; a row whose weights sum to 0 keeps them raw, as the C++ does
+    weights = np.divide(row, total[:, None], out=row, where=summed[:, None])
     largest = float(weights[summed].max(initial=0.0))
     index = np.where(own, source, xmin[:, None])
     precision = 0

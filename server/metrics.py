@@ -115,8 +115,8 @@ class Metrics:
         ).set_function(memory.rss_bytes)
         Gauge(
             "omnijev_requests_merge",
-            "1 where requests share passes here, 0 where each runs alone (a check before ready "
-            "found a row's bytes moving with its pass)",
+            "1 where requests share passes here, 0 where each runs alone (--merge off, or a check "
+            "before ready found a row's bytes moving with its pass)",
             registry=registry,
         ).set_function(lambda: float(getattr(engine, "merges", False)))
         registry.register(CudaMemory())
