@@ -30,6 +30,8 @@ from runtime.image_prefix import ImagePrefix, prefix_key
 from runtime.manifest import verify_engine_dir
 from runtime.packing import PackedPlan
 from runtime.passes import (
+    CLIP_PREFIX,
+    CLIP_PREFIX_STEP,
     MAX_IMAGE_TOKENS,
     PREFIX_STEP,
     Plan,
@@ -201,10 +203,11 @@ class Executor:
         (`readouts_batch`): where a pass reads several image prefixes (the backend's
         `Capabilities.prefixes`), those whose image prefixes have one pass shape (every prefix
         where their keys are fixed), else those about one image prefix; a request's share of a
-        batch (`runtime.batch.batch_size`)."""
+        batch (`runtime.batch.batch_size`). A clip runs alone where keys are fixed
+        (`prefix_slots`)."""
         prefixes = self.backend.capabilities.prefixes
         work = self.work_of(prepared)
-        if not self.merges:
+        if not self.merges or (self.choices.fixed_prefix_keys and prepared.clip):
             key: object = None
         elif self.choices.fixed_prefix_keys:
             key = ("prefix keys", longest_prefix(work.prefix_length, prepared.image.image_tokens))
@@ -279,19 +282,20 @@ class Executor:
         """(prefix, after prefix) states of each request's image (`ImagePrefix.states`), stacked
         where there are several (the rows read theirs by `Pass.prefix_rows` and `src`)."""
         made = [self.image_state(p, clock) for p in images]
-        slots = self.prefix_slots(len(made))
+        slots = self.prefix_slots(len(made), images[0].clip)
         if slots == 1:
             return made[0]
         made += [made[0]] * (slots - len(made))  # the first prefix again, which no row reads
         return stack_prefixes([m[0] for m in made]), stack_prefixes([m[1] for m in made])
 
-    def prefix_slots(self, count: int) -> int:
+    def prefix_slots(self, count: int, clip: bool = False) -> int:
         """The image prefixes a pass of `count` images reads. A pass's shape includes its
         prefix count, and each shape is a CUDA graph of its own: where prefix keys are fixed
         (one graph a packed size) every pass reads the backend's `prefixes`, a lone request's
-        too; elsewhere counts of a power of two keep the shapes few."""
+        too, but a clip's one (its CLIP_PREFIX keys four times over would be 576 MiB of K/V a
+        pass on the 4b); elsewhere counts of a power of two keep the shapes few."""
         if self.choices.fixed_prefix_keys:
-            return self.backend.capabilities.prefixes
+            return 1 if clip else self.backend.capabilities.prefixes
         return 1 if count == 1 else batch_bucket(count, MAX_PREFIXES)
 
     def image_state(self, prepared: Prepared, clock: Stopwatch) -> tuple[State, State]:
@@ -300,7 +304,7 @@ class Executor:
         work = self.work_of(prepared)
         keys = 0
         if self.choices.fixed_prefix_keys:
-            keys = longest_prefix(work.prefix_length, prepared.image.image_tokens)
+            keys = longest_prefix(work.prefix_length, prepared.image.image_tokens, prepared.clip)
         return self.prefix.states(prepared.image, work.prefix, clock, prepared.image_key, keys)
 
     def respond(self, prepared: Prepared, readouts: list[QuestionReadout], seconds: float) -> dict:
@@ -350,34 +354,46 @@ class Executor:
     def build_shapes(self) -> int:
         """Builds every shape a request the contract admits can need, where the backend
         captures one graph a shape (packed passes on CUDA): the vision tower's patch buckets,
-        each image prefix length, each packed pass size; how many were built. The worker runs
-        it before it reports ready, so that no request waits for a build."""
+        each image prefix length and each packed pass size, a still's and a clip's; how many
+        were built. The worker runs it before it reports ready, so that no request waits for a
+        build."""
         if not (self.choices.packed and self.device.type == "cuda"):
             return 0
         before = self.shape_builds()[0]
         prepared = self.prepare(warm_up_request())
-        work = self.work_of(prepared)
-        text = work.prefix_length - prepared.image.image_tokens
-        features = self.prefix.feature_rows(MAX_IMAGE_TOKENS)
-        dummy = torch.zeros(features, self.runner.dims.hidden, device=self.device)
-        dummy = dummy.to(self.runner.dtypes["image_features"])
-        shortest, longest = (
+        text = self.work_of(prepared).prefix_length - prepared.image.image_tokens
+        stills = range(
             bucket(text + 1, PREFIX_STEP),
-            bucket(text + MAX_IMAGE_TOKENS, PREFIX_STEP),
+            bucket(text + MAX_IMAGE_TOKENS, PREFIX_STEP) + 1,
+            PREFIX_STEP,
         )
+        clips = range(CLIP_PREFIX_STEP, CLIP_PREFIX + 1, CLIP_PREFIX_STEP)
         with torch.inference_mode():
             self.backend.prepare(self.backend.vision_shapes())
-            # a graph slot runs a shape eagerly once, then captures it (GraphSlots), so each
-            # shape runs twice here: one run left the capture to the first request that met it
-            for length in range(shortest, longest + 1, PREFIX_STEP):
-                for _ in range(2):
-                    self.runner.run_prefix(passes.empty_pass(1, length), dummy)
-            states = self.image_states([prepared], Stopwatch(self.stages))
-            for size in packing.PACK_SIZES:
-                for _ in range(2):
-                    self.runner.run_packed(packing.empty_pass(size), *states)
+            self.build_prefixes(stills, self.prefix.feature_rows(MAX_IMAGE_TOKENS))
+            self.build_packed(self.image_states([prepared], Stopwatch(self.stages)))
+            longest = self.build_prefixes(clips, self.prefix.feature_rows(CLIP_PREFIX, clip=True))
+            self.build_packed(longest)  # a clip's: CLIP_PREFIX keys, one prefix
             torch.cuda.synchronize(self.device)
         return self.shape_builds()[0] - before
+
+    def build_prefixes(self, lengths: range, features: int) -> tuple[State, State]:
+        """Each image prefix pass of `lengths` tokens on `features` rows of image features; the
+        states of the last."""
+        dummy = torch.zeros(features, self.runner.dims.hidden, device=self.device)
+        dummy = dummy.to(self.runner.dtypes["image_features"])
+        # a graph slot runs a shape eagerly once, then captures it (GraphSlots), so each shape
+        # runs twice here: one run left the capture to the first request that met it
+        for length in lengths:
+            for _ in range(2):
+                states = self.runner.run_prefix(passes.empty_pass(1, length), dummy)
+        return states
+
+    def build_packed(self, states: tuple[State, State]) -> None:
+        """Each packed pass size, reading `states`' prefixes (twice each, as `build_prefixes`)."""
+        for size in packing.PACK_SIZES:
+            for _ in range(2):
+                self.runner.run_packed(packing.empty_pass(size), *states)
 
     def shape_builds(self) -> tuple[int, float]:
         """The pass shapes the backend has built so far (compiled and captured, a session made)

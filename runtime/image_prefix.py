@@ -13,7 +13,7 @@ import torch
 
 from runtime.images import NORMALIZED, device_image_patches
 from runtime.lru import LRU
-from runtime.passes import MAX_IMAGE_TOKENS, PREFIX_STEP, Pass, bucket
+from runtime.passes import CLIP_PREFIX, MAX_IMAGE_TOKENS, PREFIX_STEP, Pass, bucket
 from runtime.run_passes import PassRunner, State, Stopwatch, padded_prefix, to_device
 from runtime.types import PreparedImage, PreparedVideo
 
@@ -77,8 +77,11 @@ class ImagePrefix:
         rows = image.image_tokens
         dtype = self.runner.dtypes["image_features"]
         hidden = self.runner.dims.hidden
-        features = torch.zeros(self.feature_rows(rows), hidden, dtype=dtype, device=self.device)
-        frames = image.frames if isinstance(image, PreparedVideo) else (image,)
+        clip = isinstance(image, PreparedVideo)
+        features = torch.zeros(
+            self.feature_rows(rows, clip), hidden, dtype=dtype, device=self.device
+        )
+        frames = image.frames if clip else (image,)
         at = 0
         for frame in frames:
             self.vision_into(frame, features[at : at + frame.image_tokens])
@@ -92,14 +95,13 @@ class ImagePrefix:
         feeds["pixel_values"] = self.pixel_values(image, dtypes["pixel_values"])
         self.backend.run("vision", feeds, {self.output_name("vision", "image_features"): features})
 
-    def feature_rows(self, rows: int) -> int:
-        """Rows of the image features the prefix pass takes: the largest image's where the
-        backend captures a graph per shape (`fixed_prefix_keys`), so that the prefix pass has
-        one shape a prefix length (a video's frames may need more), else the image's own rows'
-        bucket."""
-        if self.backend.capabilities.fixed_prefix_keys:
-            return bucket(max(rows, MAX_IMAGE_TOKENS), PREFIX_STEP)
-        return bucket(rows, PREFIX_STEP)
+    def feature_rows(self, rows: int, clip: bool = False) -> int:
+        """Rows of the image features the prefix pass takes: the largest image's (a clip's
+        longest prefix) where the backend captures a graph per shape (`fixed_prefix_keys`), so
+        that the prefix pass has one shape a prefix length, else the image's own rows' bucket."""
+        if not self.backend.capabilities.fixed_prefix_keys:
+            return bucket(rows, PREFIX_STEP)
+        return CLIP_PREFIX if clip else bucket(max(rows, MAX_IMAGE_TOKENS), PREFIX_STEP)
 
     def pixel_values(self, image: PreparedImage, dtype: torch.dtype) -> torch.Tensor:
         """The vision tower's patches: packed on the host, or made on the device from the uint8

@@ -587,16 +587,17 @@ def check_single_frame(image: Image.Image) -> None:
         raise ContractError(SINGLE_FRAME)
 
 
-def smart_resize(height: int, width: int) -> tuple[int, int]:
-    """The processor's `smart_resize` with factor 32 and MSO1's budget (§4.8); Python `round`."""
+def smart_resize(height: int, width: int, most: int = MAX_PIXELS) -> tuple[int, int]:
+    """The processor's `smart_resize` with factor 32 and MSO1's budget (§4.8), or a clip's frame
+    budget `most` (runtime.video.clip_pixels); Python `round`."""
     if height <= 0 or width <= 0:
         raise ContractError(INVALID_IMAGE)
     if max(height, width) > MAX_ASPECT * min(height, width):
         raise ContractError("image aspect ratio must be at most 200")
     h_bar = round(height / FACTOR) * FACTOR
     w_bar = round(width / FACTOR) * FACTOR
-    if h_bar * w_bar > MAX_PIXELS:
-        beta = math.sqrt(height * width / MAX_PIXELS)
+    if h_bar * w_bar > most:
+        beta = math.sqrt(height * width / most)
         h_bar = max(FACTOR, math.floor(height / beta / FACTOR) * FACTOR)
         w_bar = max(FACTOR, math.floor(width / beta / FACTOR) * FACTOR)
     elif h_bar * w_bar < MIN_PIXELS:

@@ -27,6 +27,11 @@ from runtime.images import FACTOR, MAX_PIXELS
 from runtime.types import Prepared, QuestionLayout
 
 PREFIX_STEP = 64  # image-prefix length bucket: one CUDA graph per 64 tokens of prefix
+# A clip's prefix (its frames, their times) is longer and rarer: it rounds up in steps of 512 to
+# at most CLIP_PREFIX tokens (runtime.video.CLIP_TOKENS of frames and 512 of text), which are
+# also its keys where a backend fixes them: nine prefix shapes and one key count more.
+CLIP_PREFIX_STEP = 512
+CLIP_PREFIX = 4608
 MAX_IMAGE_TOKENS = MAX_PIXELS // FACTOR**2  # 588: the resize keeps an image within MAX_PIXELS
 TEXT_STEP = 16  # question-text length bucket (bench questions are 11-17 tokens)
 OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-20)
@@ -182,10 +187,12 @@ def prefix_starts(prepared: Prepared) -> list[int]:
     return starts
 
 
-def longest_prefix(prefix_length: int, image_tokens: int) -> int:
+def longest_prefix(prefix_length: int, image_tokens: int, clip: bool = False) -> int:
     """The prefix bucket of this prompt about the largest image the resize makes
-    (MAX_IMAGE_TOKENS image tokens): the keys of every prefix where a backend fixes them
-    (`Capabilities.fixed_prefix_keys`)."""
+    (MAX_IMAGE_TOKENS image tokens), or CLIP_PREFIX for a clip: the keys of every prefix where
+    a backend fixes them (`Capabilities.fixed_prefix_keys`)."""
+    if clip:
+        return CLIP_PREFIX
     return bucket(prefix_length - image_tokens + MAX_IMAGE_TOKENS, PREFIX_STEP)
 
 
@@ -225,7 +232,7 @@ def plan_prefix(prepared: Prepared) -> tuple[Pass, int]:
     """The image prefix's pass (of owner 0's image, in a merged batch) and its length."""
     layout = prepared.layouts[0]
     n = prefix_starts(prepared)[0]
-    p = empty_pass(1, bucket(n, PREFIX_STEP))
+    p = empty_pass(1, bucket(n, CLIP_PREFIX_STEP if prepared.clip else PREFIX_STEP))
     fill_row(p, 0, list(layout.token_ids[:n]), layout.positions[:, :n])
     return p, n
 

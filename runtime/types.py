@@ -67,12 +67,13 @@ class PreparedImage:
 
 @dataclass(frozen=True)
 class VideoFrames:
-    """Decoded frames, uint8 [H, W, 3] each, with their times in seconds and the clip's length
-    (runtime.video.video_frames)."""
+    """Decoded frames, uint8 [H, W, 3] each, with their times in seconds, the clip's length and
+    the pixels each frame's resize may keep (runtime.video.video_frames)."""
 
     frames: tuple[np.ndarray, ...]
     timestamps: tuple[int | float, ...]
     duration: int | float
+    most_pixels: int
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,11 @@ class Prepared:
     # several requests merged into one (runtime.batch): the image prefix each question's rows
     # read, numbered in order of first appearance; None: every question reads the one image's
     owners: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def clip(self) -> bool:
+        """Whether the request is about a video's frames rather than one image."""
+        return isinstance(self.image, PreparedVideo)
 
     @property
     def questions(self) -> tuple[Question, ...]:

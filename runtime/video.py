@@ -14,6 +14,7 @@ import pickle
 import resource
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ from runtime.video_tracks import mp4_tracks, webm_tracks
 
 # The reference's mosaic holds at most 16 frames, and a file is sampled to as many.
 MAX_FRAMES = 16
+# A file's frames share this many image tokens (each frame's resize keeps at most its share, as
+# Qwen's video processors bound a clip's pixels as a whole): half a question's 8,192, leaving the
+# rest to its text and options, and a 16-frame clip's prefix within runtime.passes.CLIP_PREFIX.
+CLIP_TOKENS = 4096
 MAX_DURATION = 300  # seconds: decision questions are about short clips
 VIDEO_MIMES = {  # data-URL prefix -> (MIME type, PyAV demuxer)
     "data:video/mp4;base64": ("video/mp4", "mp4"),
@@ -45,9 +50,9 @@ MAX_STREAM_FRAMES = 30 * MAX_DURATION
 MAX_FRAME_PIXELS = 3840 * 2160
 MAX_DECODED_PIXELS = 1_000_000_000
 DECODE_SECONDS = 10.0  # the whole decode, checked between frames
-# a file decodes in a Python process of its own (`decoder_main`, ~0.2 s to start): a fork of the
-# worker would copy its threads' locks, and a forkserver that imported the worker's main module
-# (torch) takes ~1 s a fork
+# a file decodes in a Python process of its own (`decoder_main`, ~0.2 s to start, so the next
+# one is started while a request decodes): a fork of the worker would copy its threads' locks,
+# and a forkserver that imported the worker's main module (torch) takes ~1 s a fork
 DECODER_SLACK = 2.0  # the process's start and the frames' way back, past DECODE_SECONDS
 # the decoder's address space: 16 frames of 4096×2048 RGB, FFmpeg's reference frames at the
 # frame limit, and Python, NumPy and PyAV themselves, with room to spare
@@ -232,7 +237,7 @@ def mosaic_frames(mosaic: VideoMosaic) -> VideoFrames:
         row, col = divmod(index, mosaic.cols)
         tile = rgb[row * height : (row + 1) * height, col * width : (col + 1) * width]
         tiles.append(np.ascontiguousarray(tile))
-    return VideoFrames(tuple(tiles), mosaic.timestamps, mosaic.duration)
+    return VideoFrames(tuple(tiles), mosaic.timestamps, mosaic.duration, images.MAX_PIXELS)
 
 
 def sample_indices(count: int, most: int = MAX_FRAMES) -> list[int]:
@@ -246,28 +251,23 @@ def decode_file(
     video: VideoFile,
     seconds: float = DECODE_SECONDS,
     slack: float = DECODER_SLACK,
-    python: str = sys.executable,
+    python: str | None = None,
 ) -> VideoFrames:
-    """`decode_frames` in a Python process of its own (`python`), killed at its deadline: a
-    container FFmpeg chokes on, or a decode that hangs inside one call, costs that process,
-    never the worker, and the preparation slot is free again within `seconds` and `slack`."""
-    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    """`decode_frames` in a Python process of its own (a started spare, or `python`'s), killed
+    at its deadline: a container FFmpeg chokes on, or a decode that hangs inside one call, costs
+    that process, never the worker, and the preparation slot is free again within `seconds` and
+    `slack`."""
+    process = DECODERS.take() if python is None else start_decoder(python)
     try:
-        done = subprocess.run(
-            [python, "-m", "runtime.video"],
-            input=pickle.dumps((video.mime, video.data)),
-            capture_output=True,
-            timeout=seconds + slack,
-            env=env,
-            check=False,
-        )
+        out, _ = process.communicate(pickle.dumps((video.mime, video.data)), seconds + slack)
     except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
         raise ContractError(f"video must decode within {seconds:g} s") from None
-    if done.returncode != 0 or not done.stdout:  # FFmpeg crashed, or the memory limit hit
+    if process.returncode != 0 or not out:  # FFmpeg crashed, or the memory limit hit
         raise ContractError(INVALID_VIDEO)
     try:
-        kind, value = pickle.loads(done.stdout)  # our own process's answer
+        kind, value = pickle.loads(out)  # our own process's answer
     except Exception:  # cut short: the process died while it wrote
         raise ContractError(INVALID_VIDEO) from None
     if kind == "refused":
@@ -275,20 +275,66 @@ def decode_file(
     return value
 
 
+def start_decoder(python: str = sys.executable) -> subprocess.Popen:
+    """A decoder process (`decoder_main`), its imports under way while it waits for its file."""
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    return subprocess.Popen(
+        [python, "-m", "runtime.video"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+
+
+class Decoders:
+    """One decoder process started ahead of the next clip; each decodes one file and exits."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spare: subprocess.Popen | None = None
+
+    def take(self) -> subprocess.Popen:
+        """The spare (a new one where it died or none was started), and the next one started."""
+        with self.lock:
+            taken, self.spare = self.spare, start_decoder()
+        if taken is None or taken.poll() is not None:
+            taken = start_decoder()
+        return taken
+
+
+DECODERS = Decoders()
+
+
 def decoder_main() -> None:
     """`python -m runtime.video`: (MIME type, bytes) pickled on stdin, `decode_frames`'s frames
-    or its refusal's message pickled on stdout, within DECODER_MEMORY bytes of address space."""
+    or its refusal's message pickled on stdout, within DECODER_MEMORY bytes of address space.
+    PyAV is imported before the file comes (a spare waits for it); a closed stdin ends it."""
     resource.setrlimit(resource.RLIMIT_AS, (DECODER_MEMORY, DECODER_MEMORY))
-    mime, data = pickle.load(sys.stdin.buffer)
     try:
-        result = ("frames", decode_frames(VideoFile(mime, data)))
+        import av  # noqa: F401
     except ImportError:  # a deployment without PyAV (pyproject.toml pins it)
-        result = ("refused", NO_DECODER)
+        av = None
+    try:
+        mime, data = pickle.load(sys.stdin.buffer)
+    except EOFError:  # the worker ended before it needed this spare
+        return
+    try:
+        if av is None:
+            raise ContractError(NO_DECODER)
+        result = ("frames", decode_frames(VideoFile(mime, data)))
     except ContractError as error:
         result = ("refused", str(error))
     except Exception:  # PyAV's errors of a malformed container or stream
         result = ("refused", INVALID_VIDEO)
     pickle.dump(result, sys.stdout.buffer, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def clip_pixels(frames: int) -> int:
+    """The pixels each of a file's `frames` frames may keep: its share of CLIP_TOKENS, at most
+    an image's budget."""
+    return min(images.MAX_PIXELS, CLIP_TOKENS // max(1, frames) * images.FACTOR**2)
 
 
 def decode_frames(video: VideoFile) -> VideoFrames:
@@ -323,7 +369,7 @@ def decode_frames(video: VideoFile) -> VideoFrames:
     if any(frame is None for frame in kept):
         raise ContractError(INVALID_VIDEO)
     stamps = tuple(round(float((pts - first) * base), 2) for pts in picked)
-    return VideoFrames(tuple(kept), stamps, duration)
+    return VideoFrames(tuple(kept), stamps, duration, clip_pixels(len(kept)))
 
 
 def open_container(av, video: VideoFile):

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from runtime.constants import IMAGE_PAD_ID
 from runtime.errors import ContractError
 from runtime.images import normalize_and_pack, resize_rgb, smart_resize
+from runtime.passes import CLIP_PREFIX
 from runtime.processing import (
     IMAGE_PAD,
     PLACEHOLDER_ERROR,
@@ -56,7 +57,7 @@ def prepare_video(
     `started`: when the preparation began (the decode's start), for `prepare_seconds`."""
     started = time.perf_counter() if started is None else started
     video = PreparedVideo(
-        frames=tuple(frame_image(rgb) for rgb in decoded.frames),
+        frames=tuple(frame_image(rgb, decoded.most_pixels) for rgb in decoded.frames),
         timestamps=decoded.timestamps,
         duration=decoded.duration,
     )
@@ -66,6 +67,8 @@ def prepare_video(
     drafts, prefix, processed = lay_out(
         request.questions, tokenizer, video.image_tokens, (ids, prompts)
     )
+    if prefix > CLIP_PREFIX:  # a mosaic's tiles keep the image budget, a file's frames share less
+        raise ContractError(f"video prefix must be at most {CLIP_PREFIX} tokens, got {prefix}")
     layouts = []
     for draft in drafts:
         fields = dict(draft)
@@ -78,10 +81,12 @@ def prepare_video(
     return replace(prepared, planned=planned, prepare_seconds=time.perf_counter() - started)
 
 
-def frame_image(rgb: np.ndarray) -> PreparedImage:
-    """One frame as the processor prepares an image: smart resize, resize, normalize, pack."""
+def frame_image(rgb: np.ndarray, most: int) -> PreparedImage:
+    """One frame as the processor prepares an image, its resize keeping at most `most` pixels
+    (a file's share of the clip, the image budget for a mosaic's tile): smart resize, resize,
+    normalize, pack."""
     height, width = rgb.shape[:2]
-    resized = resize_rgb(rgb, *smart_resize(height, width))
+    resized = resize_rgb(rgb, *smart_resize(height, width, most))
     pixel_values, grid_thw = normalize_and_pack(resized)
     return PreparedImage(
         width=width,

@@ -447,3 +447,26 @@ def test_prefixes_padded_to_the_longest_keep_answers_and_batches(engines, execut
     alone = [padded.readouts(p) for p in prepared]
     together = padded.readouts_batch(prepared)
     assert all(map(same_readouts, alone, together))
+
+
+def test_a_clip_reads_its_prefix_alone_at_a_clips_keys(engines, executor):
+    """With fixed keys a clip's prefix runs in steps of CLIP_PREFIX_STEP and is padded to
+    CLIP_PREFIX keys, read from a pass of one prefix and never merged; its answers move by
+    rounding at most against the unpadded run."""
+    from bench.clips import clip, video_url
+    from runtime.passes import CLIP_PREFIX, CLIP_PREFIX_STEP
+    from runtime.run_passes import Stopwatch
+    from tests.video_clips import video_body
+
+    padded = variant(engines, executor, fixed_prefix_keys=True)
+    plain = variant(engines, executor)
+    data, mime = clip(6, 96, 64, fps=3, seed=5)
+    body = video_body({"video": video_url(data, mime)}, gate_questions())
+    prepared = padded.prepare(json.loads(body))
+    work = padded.work_of(prepared)
+    assert work.prefix.input_ids.shape[1] == CLIP_PREFIX_STEP
+    prefix, _ = padded.image_state(prepared, Stopwatch({}))
+    assert prefix.mask.shape[1] == CLIP_PREFIX and int(prefix.mask.sum()) == work.prefix_length
+    assert padded.batch_key(prepared)[0] is None and padded.prefix_slots(1, clip=True) == 1
+    report = compare(plain.answer(body), padded.answer(body))
+    assert not report["flips"] and max(report["differences"]) <= 1e-5

@@ -116,6 +116,23 @@ def test_a_decoder_that_dies_is_an_invalid_video() -> None:
         video.decode_file(file, python="/bin/false")
 
 
+def test_a_spare_decoder_decodes_the_next_file_and_ends_with_the_worker() -> None:
+    """A request takes the started spare and starts the next; a spare whose stdin closes (the
+    worker ended) exits cleanly; each process decodes one file."""
+    data, mime = clip(4, 48, 32)
+    file = video.video_file(video_url(data, mime))
+    first = video.decode_file(file)
+    spare = video.DECODERS.spare
+    assert spare is not None and spare.poll() is None
+    second = video.decode_file(file)
+    assert spare.poll() is not None and video.DECODERS.spare is not spare
+    assert all(np.array_equal(a, b) for a, b in zip(first.frames, second.frames, strict=True))
+    assert first.most_pixels == video.clip_pixels(4)
+    idle = video.start_decoder()
+    idle.stdin.close()
+    assert idle.wait(timeout=60) == 0
+
+
 @pytest.mark.parametrize(("fmt", "codec"), [("mp4", "libx264"), ("webm", "libvpx")])
 def test_tracks_are_counted_from_the_headers(fmt: str, codec: str) -> None:
     count = mp4_tracks if fmt == "mp4" else webm_tracks

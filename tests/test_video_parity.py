@@ -5,6 +5,8 @@ the reference's mosaic form against the file form of the same frames."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -13,9 +15,11 @@ from bench.clips import clip, video_url
 from bench.parity import compare
 from reference.questions import gate_questions
 from runtime.contract import compile_request
+from runtime.errors import ContractError
+from runtime.passes import CLIP_PREFIX
 from runtime.processing import prepare
 from runtime.strict_json import parse_body
-from runtime.video import video_file, video_frames
+from runtime.video import CLIP_TOKENS, video_file, video_frames
 from tests.engine_fixtures import tiny_engines
 from tests.video_clips import mosaic_state, video_body
 
@@ -142,6 +146,31 @@ def test_the_mosaic_form_answers_as_the_file_form(executor, codec):
     as_file = executor.answer(video_body({"video": video_url(data, mime)}, QUESTIONS))
     as_mosaic = executor.answer(video_body(state, QUESTIONS))
     assert without_latency(as_file) == without_latency(as_mosaic)
+
+
+def test_a_long_clips_frames_share_its_budget_and_its_mosaic_answers_alike(executor):
+    """Sixteen 640x480 frames share CLIP_TOKENS: each resized within its share (416x576, where a
+    still keeps 480x640), and the mosaic of the frames as resized gets the file's answers (a
+    tile already of its resized size passes the resize unchanged)."""
+    data, mime = clip(16, 640, 480, "h264", 2, seed=2)
+    body = video_body({"video": video_url(data, mime)}, QUESTIONS)
+    prepared = executor.prepare(json.loads(body))
+    frames = prepared.image.frames
+    assert {tuple(frame.grid_thw) for frame in frames} == {(1, 26, 36)}
+    assert prepared.image.image_tokens == 16 * 13 * 18 <= CLIP_TOKENS
+    video = prepared.image
+    state = mosaic_state([f.resized for f in frames], video.timestamps, video.duration)
+    as_mosaic = executor.answer(video_body(state, QUESTIONS))
+    assert without_latency(executor.answer(body)) == without_latency(as_mosaic)
+
+
+def test_a_mosaic_past_a_clips_prefix_is_refused(executor):
+    """A mosaic's tiles keep an image's budget (the reference's): nine 1024x576 tiles, 576
+    tokens each, fit a question's 8,192 tokens but not a clip's prefix."""
+    tiles = [np.full((576, 1024, 3), 25 * i, dtype=np.uint8) for i in range(9)]
+    state = mosaic_state(tiles, list(range(9)), 9, cols=3)
+    with pytest.raises(ContractError, match=f"video prefix must be at most {CLIP_PREFIX} tokens"):
+        executor.prepare(json.loads(video_body(state, QUESTIONS)))
 
 
 def without_latency(response: dict) -> dict:
