@@ -36,10 +36,14 @@ def family(name: str) -> str:
 
 
 def requests(seed: int) -> dict[str, bytes]:
-    """The issue's two single requests: 1 question on a 1920x1080 PNG, 12 on a 1920x1080 JPEG."""
+    """The issue's two single requests, 1 question on a 1920x1080 PNG and 12 on a 1920x1080
+    JPEG, and the bench's Choice of 255 options (its workload furthest behind the baseline)."""
+    from bench.workloads import bench_body
+
     return {
         "q1-png": traffic.request(seed, 0, "suite", 1, (1920, 1080), "PNG").body,
         "q12-jpeg": traffic.request(seed, 0, "suite", 12, (1920, 1080), "JPEG").body,
+        "o255": bench_body("255 options"),
     }
 
 

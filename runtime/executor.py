@@ -27,10 +27,10 @@ from runtime.config import RuntimeConfig
 from runtime.constants import IMAGE_PAD_ID, MAX_PREFIXES, MODEL_ID
 from runtime.flight import Flight, PassCounts
 from runtime.image_prefix import ImagePrefix, prefix_key
+from runtime.images import CLIP_PREFIX
 from runtime.manifest import verify_engine_dir
 from runtime.packing import PackedPlan
 from runtime.passes import (
-    CLIP_PREFIX,
     CLIP_PREFIX_STEP,
     MAX_IMAGE_TOKENS,
     PREFIX_STEP,

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.images import NORMALIZED, device_image_patches
+from runtime.images import CLIP_PREFIX, NORMALIZED, device_image_patches
 from runtime.lru import LRU
-from runtime.passes import CLIP_PREFIX, MAX_IMAGE_TOKENS, PREFIX_STEP, Pass, bucket
+from runtime.passes import MAX_IMAGE_TOKENS, PREFIX_STEP, Pass, bucket
 from runtime.run_passes import PassRunner, State, Stopwatch, padded_prefix, to_device
 from runtime.types import PreparedImage, PreparedVideo
 
@@ -33,7 +33,7 @@ class ImagePrefix:
         self.backend = runner.backend
         self.device = runner.device
         self.model_config = model_config
-        self.pos_embed = vision_pos_embed(export_dir)
+        self.pos_table = torch.from_numpy(vision_pos_embed(export_dir)).to(self.device)
         self.pixel_table = torch.from_numpy(NORMALIZED).to(self.device)
         # a hit reuses the very tensors the same inputs gave: bit-identical answers either way
         self.cache: LRU[str, tuple[State, State]] = LRU(cached)
@@ -113,13 +113,21 @@ class ImagePrefix:
         return device_image_patches(image, upload, self.pixel_table).to(dtype).contiguous()
 
     def vision_tables(self, grid: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid)."""
-        from runtime.model.vision import vision_inputs
+        """`pos_embeds`, `cos` and `sin` of one patch grid on the device (an LRU by grid): the
+        position table blended there (`blend_taps`, the host's bytes), so that a new image size
+        costs the host its taps alone rather than ~20 MB of embeddings made and copied."""
+        from runtime.model.vision import blend_taps, position_taps, rotary_tables
 
         def make() -> dict[str, torch.Tensor]:
             dtypes = self.backend.input_dtypes("vision")
-            inputs = vision_inputs(grid, self.pos_embed, self.model_config)
-            return {name: self.tensor(inputs[name], dtypes[name]) for name in inputs}
+            taps, weights = position_taps(grid, self.model_config)
+            index, weight = self.tensor(taps, torch.int64), self.tensor(weights, torch.float32)
+            zeros = self.pos_table.new_zeros(index.shape[1], self.pos_table.shape[1])
+            pos = blend_taps(self.pos_table, index, weight, zeros)
+            tables = {"pos_embeds": pos.to(dtypes["pos_embeds"])}
+            for name, table in rotary_tables(grid, self.model_config).items():
+                tables[name] = self.tensor(table, dtypes[name])
+            return tables
 
         return self.tables.get_or_make(grid, make)
 
@@ -132,7 +140,7 @@ class ImagePrefix:
 
 
 def vision_pos_embed(export_dir: Path) -> np.ndarray:
-    """The vision tower's position table, which `vision_inputs` interpolates on the host."""
+    """The vision tower's position table, which `vision_tables` interpolates."""
     from safetensors import safe_open
 
     with safe_open(str(export_dir / "vision.safetensors"), framework="pt") as f:

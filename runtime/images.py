@@ -63,6 +63,14 @@ TEMPORAL = 2  # §4.8: a still is repeated to fill the temporal patch
 FACTOR = PATCH * MERGE  # 32: resized sides are multiples of this
 MIN_PIXELS = 65_536  # §4.8: the processor's min_pixels
 MAX_PIXELS = 768 * 28 * 28  # 602,112: MSO1's budget, overriding the processor config's 401,408
+# A clip file's frames (runtime.video) share this many image tokens, each frame's resize keeping
+# at most its share (as Qwen's video processors bound a clip's pixels as a whole): half a
+# question's 8,192, leaving the rest to its text and options.
+CLIP_TOKENS = 4096
+# A clip's image prefix at most: CLIP_TOKENS of frames and 512 of text and times (a file's need
+# under 200); a mosaic's tiles keep an image's budget, and past this it is refused. Where a
+# backend fixes prefix keys, every clip's are this many (runtime.passes).
+CLIP_PREFIX = 4608
 # mean 0.5 and std 0.5 times 255: transformers' torchvision backend fuses the 1/255 rescale
 CUBIC_A = -0.5  # PyTorch's antialiased bicubic (as PIL's), not the -0.75 of its plain bicubic
 CUBIC_TAPS = 4  # HelperInterpCubic::interp_size

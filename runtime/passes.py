@@ -23,15 +23,14 @@ from runtime.constants import (
 )
 from runtime.constants import VISION_END_ID as VISION_END
 from runtime.contract import MAX_OPTIONS
-from runtime.images import FACTOR, MAX_PIXELS
+from runtime.images import CLIP_PREFIX, FACTOR, MAX_PIXELS
 from runtime.types import Prepared, QuestionLayout
 
 PREFIX_STEP = 64  # image-prefix length bucket: one CUDA graph per 64 tokens of prefix
 # A clip's prefix (its frames, their times) is longer and rarer: it rounds up in steps of 512 to
-# at most CLIP_PREFIX tokens (runtime.video.CLIP_TOKENS of frames and 512 of text), which are
-# also its keys where a backend fixes them: nine prefix shapes and one key count more.
+# at most CLIP_PREFIX tokens, which are also its keys where a backend fixes them: nine prefix
+# shapes and one key count more.
 CLIP_PREFIX_STEP = 512
-CLIP_PREFIX = 4608
 MAX_IMAGE_TOKENS = MAX_PIXELS // FACTOR**2  # 588: the resize keeps an image within MAX_PIXELS
 TEXT_STEP = 16  # question-text length bucket (bench questions are 11-17 tokens)
 OPTION_STEP = 8  # option length bucket (bench options are 2-7 tokens, a few 18-20)

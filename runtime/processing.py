@@ -402,7 +402,7 @@ def prepare(
     from runtime.images import prepare_image
 
     if request.video is not None:  # several frames, each an image (runtime.video_prepare)
-        return request.video.prepare(request, tokenizer, planner)
+        return request.video.prepare(request, tokenizer, planner, pack, resize)
     started = time.perf_counter()
     if image is None and pending is None:
         encoded = (request.image_mime, request.image_bytes, request.opened)

@@ -28,10 +28,6 @@ from runtime.video_tracks import mp4_tracks, webm_tracks
 
 # The reference's mosaic holds at most 16 frames, and a file is sampled to as many.
 MAX_FRAMES = 16
-# A file's frames share this many image tokens (each frame's resize keeps at most its share, as
-# Qwen's video processors bound a clip's pixels as a whole): half a question's 8,192, leaving the
-# rest to its text and options, and a 16-frame clip's prefix within runtime.passes.CLIP_PREFIX.
-CLIP_TOKENS = 4096
 MAX_DURATION = 300  # seconds: decision questions are about short clips
 VIDEO_MIMES = {  # data-URL prefix -> (MIME type, PyAV demuxer)
     "data:video/mp4;base64": ("video/mp4", "mp4"),
@@ -73,11 +69,15 @@ class VideoSource:
     """A request's video as the contract leaves it; `prepare` makes the request's `Prepared`
     (`runtime.processing.prepare` hands a video request here, which imports nothing of this)."""
 
-    def prepare(self, request, tokenizer, planner=None):
+    def prepare(self, request, tokenizer, planner=None, pack: bool = True, resize: bool = True):
         from runtime.video_prepare import prepare_video
 
         started = time.perf_counter()
-        return prepare_video(request, tokenizer, video_frames(self), planner, started)
+        frames = video_frames(self)
+        # where the device resizes, the frames are named by their source's bytes for the
+        # prefix cache (hashing 16 decoded 1280x720 frames would take ~30 ms)
+        source = None if resize else images.image_digest(self.data, self.mime)
+        return prepare_video(request, tokenizer, frames, planner, started, pack, resize, source)
 
 
 @dataclass(frozen=True)
@@ -295,6 +295,12 @@ class Decoders:
         self.lock = threading.Lock()
         self.spare: subprocess.Popen | None = None
 
+    def ready(self) -> None:
+        """Starts the spare where there is none (the worker, before it reports ready)."""
+        with self.lock:
+            if self.spare is None or self.spare.poll() is not None:
+                self.spare = start_decoder()
+
     def take(self) -> subprocess.Popen:
         """The spare (a new one where it died or none was started), and the next one started."""
         with self.lock:
@@ -334,7 +340,7 @@ def decoder_main() -> None:
 def clip_pixels(frames: int) -> int:
     """The pixels each of a file's `frames` frames may keep: its share of CLIP_TOKENS, at most
     an image's budget."""
-    return min(images.MAX_PIXELS, CLIP_TOKENS // max(1, frames) * images.FACTOR**2)
+    return min(images.MAX_PIXELS, images.CLIP_TOKENS // max(1, frames) * images.FACTOR**2)
 
 
 def decode_frames(video: VideoFile) -> VideoFrames:

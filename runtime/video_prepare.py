@@ -8,6 +8,7 @@ follow it as they follow a still.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -17,8 +18,13 @@ from tokenizers import Tokenizer
 
 from runtime.constants import IMAGE_PAD_ID
 from runtime.errors import ContractError
-from runtime.images import normalize_and_pack, resize_rgb, smart_resize
-from runtime.passes import CLIP_PREFIX
+from runtime.images import (
+    CLIP_PREFIX,
+    normalize_and_pack,
+    resize_rgb,
+    resized_grid,
+    smart_resize,
+)
 from runtime.processing import (
     IMAGE_PAD,
     PLACEHOLDER_ERROR,
@@ -51,13 +57,23 @@ def prepare_video(
     decoded: VideoFrames,
     planner: Callable[[Prepared], object] | None = None,
     started: float | None = None,
+    pack: bool = True,
+    resize: bool = True,
+    source: bytes | None = None,
 ) -> Prepared:
     """Prepares each of the video's decoded frames (`runtime.video.video_frames`) as an image,
     tokenizes every question and lays out its rows over one prefix that holds every frame;
-    `started`: when the preparation began (the decode's start), for `prepare_seconds`."""
+    `started`: when the preparation began (the decode's start), for `prepare_seconds`; `pack`
+    and `resize` as `runtime.images.prepare_image`'s (False: the device makes them); `source`:
+    the digest of the file or mosaic the frames came from, which names them for the prefix cache
+    where the device resizes."""
     started = time.perf_counter() if started is None else started
+    most = decoded.most_pixels
     video = PreparedVideo(
-        frames=tuple(frame_image(rgb, decoded.most_pixels) for rgb in decoded.frames),
+        frames=tuple(
+            frame_image(rgb, most, pack, resize, frame_digest(source, index, most))
+            for index, rgb in enumerate(decoded.frames)
+        ),
         timestamps=decoded.timestamps,
         duration=decoded.duration,
     )
@@ -81,13 +97,22 @@ def prepare_video(
     return replace(prepared, planned=planned, prepare_seconds=time.perf_counter() - started)
 
 
-def frame_image(rgb: np.ndarray, most: int) -> PreparedImage:
+def frame_image(
+    rgb: np.ndarray,
+    most: int,
+    pack: bool = True,
+    resize: bool = True,
+    digest: bytes | None = None,
+) -> PreparedImage:
     """One frame as the processor prepares an image, its resize keeping at most `most` pixels
     (a file's share of the clip, the image budget for a mosaic's tile): smart resize, resize,
-    normalize, pack."""
+    normalize, pack; the last two, or all three, left to the device where `pack`, `resize` are
+    False (`runtime.images.device_image_patches`, byte for byte the host's), `digest` then
+    naming the frame for the prefix cache."""
     height, width = rgb.shape[:2]
-    resized = resize_rgb(rgb, *smart_resize(height, width, most))
-    pixel_values, grid_thw = normalize_and_pack(resized)
+    size = smart_resize(height, width, most)
+    resized = resize_rgb(rgb, *size) if pack or resize else None
+    pixel_values, grid_thw = normalize_and_pack(resized) if pack else (None, resized_grid(size))
     return PreparedImage(
         width=width,
         height=height,
@@ -95,7 +120,17 @@ def frame_image(rgb: np.ndarray, most: int) -> PreparedImage:
         pixel_values=pixel_values,
         grid_thw=grid_thw,
         resized=resized,
+        digest=None if resize else digest,
     )
+
+
+def frame_digest(source: bytes | None, index: int, most: int) -> bytes | None:
+    """A frame's name for the prefix cache: its source's digest, its place and its budget."""
+    if source is None:
+        return None
+    return hashlib.sha256(
+        source + index.to_bytes(2, "little") + most.to_bytes(8, "little")
+    ).digest()
 
 
 def video_user_text(video: PreparedVideo) -> str:

@@ -36,6 +36,7 @@ from runtime import config as settings
 from runtime.errors import BodyError, ContractError
 from runtime.strict_json import parse_body
 from runtime.types import Prepared
+from runtime.video import DECODERS
 from server import memory
 from server.admission import ADMITTED, PREPARING, Dropped, Scheduler, Ticket
 from server.formats import (
@@ -411,6 +412,7 @@ class Worker:
             self.state = "warm-up failed"
             return
         self.warm_up_builds = self.engine.shape_builds()
+        DECODERS.ready()  # the first clip's decoder, started: it does not wait for Python and PyAV
         self.state = "ready"
         log.info("warm-up done in %.3f s", time.perf_counter() - start)
 

@@ -454,7 +454,8 @@ def test_a_clip_reads_its_prefix_alone_at_a_clips_keys(engines, executor):
     CLIP_PREFIX keys, read from a pass of one prefix and never merged; its answers move by
     rounding at most against the unpadded run."""
     from bench.clips import clip, video_url
-    from runtime.passes import CLIP_PREFIX, CLIP_PREFIX_STEP
+    from runtime.images import CLIP_PREFIX
+    from runtime.passes import CLIP_PREFIX_STEP
     from runtime.run_passes import Stopwatch
     from tests.video_clips import video_body
 
@@ -470,3 +471,17 @@ def test_a_clip_reads_its_prefix_alone_at_a_clips_keys(engines, executor):
     assert padded.batch_key(prepared)[0] is None and padded.prefix_slots(1, clip=True) == 1
     report = compare(plain.answer(body), padded.answer(body))
     assert not report["flips"] and max(report["differences"]) <= 1e-5
+
+
+@pytest.mark.parametrize("grid", [(1, 4, 6), (1, 48, 86), (3, 8, 10), (1, 2, 400)])
+def test_the_vision_tables_blended_on_the_device_are_the_hosts(engines, executor, grid):
+    """The position embeddings a new image size needs, blended where the tower runs, have the
+    bytes of `vision_inputs`' on the host (the same float32 products and sums, in order)."""
+    from runtime.image_prefix import vision_pos_embed
+    from runtime.model.vision import vision_inputs
+
+    made = executor.prefix.vision_tables(grid)
+    host = vision_inputs(grid, vision_pos_embed(engines[0]), executor.prefix.model_config)
+    for name, tensor in made.items():
+        theirs = torch.from_numpy(host[name]).to(tensor.dtype)
+        assert tensor.cpu().float().numpy().tobytes() == theirs.float().numpy().tobytes(), name

@@ -16,10 +16,10 @@ from bench.parity import compare
 from reference.questions import gate_questions
 from runtime.contract import compile_request
 from runtime.errors import ContractError
-from runtime.passes import CLIP_PREFIX
+from runtime.images import CLIP_PREFIX, CLIP_TOKENS
 from runtime.processing import prepare
 from runtime.strict_json import parse_body
-from runtime.video import CLIP_TOKENS, video_file, video_frames
+from runtime.video import video_file, video_frames
 from tests.engine_fixtures import tiny_engines
 from tests.video_clips import mosaic_state, video_body
 
@@ -162,6 +162,20 @@ def test_a_long_clips_frames_share_its_budget_and_its_mosaic_answers_alike(execu
     state = mosaic_state([f.resized for f in frames], video.timestamps, video.duration)
     as_mosaic = executor.answer(video_body(state, QUESTIONS))
     assert without_latency(executor.answer(body)) == without_latency(as_mosaic)
+
+
+def test_frames_the_device_resizes_give_the_host_answers(executor):
+    """On a GPU each frame's resize and patches are left to the device (byte for byte the
+    host's), the frames named by their file's digest for the prefix cache: the same answers."""
+    data, mime = clip(6, 320, 240, "h264", 3, seed=6)
+    obj = parse_body(video_body({"video": video_url(data, mime)}, QUESTIONS))
+    host = prepare(compile_request(obj), executor.tokenizer)
+    device = prepare(compile_request(obj), executor.tokenizer, pack=False, resize=False)
+    frames = device.image.frames
+    assert all(f.resized is None and f.pixel_values is None for f in frames)
+    assert len({f.digest for f in frames}) == len(frames) and None not in {f.digest for f in frames}
+    one = json.dumps(without_latency(executor.execute(host)))
+    assert json.dumps(without_latency(executor.execute(device))) == one
 
 
 def test_a_mosaic_past_a_clips_prefix_is_refused(executor):

@@ -42,18 +42,44 @@ def axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.n
 def vision_inputs(grid_thw, pos_embed_weight: np.ndarray, config: dict) -> dict[str, np.ndarray]:
     """`pos_embeds` [N, C] and rotary `cos`, `sin` [N, head_dim] (float32) for one image grid,
     as `Qwen3_5VisionModel.forward` computes them; `config` is config.json or its vision part."""
+    index, weight = position_taps(grid_thw, config)
+    table = np.asarray(pos_embed_weight, dtype=np.float32)
+    zeros = np.zeros((index.shape[1], table.shape[1]), dtype=np.float32)
+    return {
+        "pos_embeds": blend_taps(table, index, weight, zeros),
+        **rotary_tables(grid_thw, config),
+    }
+
+
+def position_taps(grid_thw, config: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Each patch's four bilinear taps into the position table: rows int64 [4, N] and weights
+    float32 [4, N], in the order `blend_taps` adds them (the frames repeat the first's)."""
     vc = config.get("vision_config", config)
     t, h, w = (int(x) for x in grid_thw)
     merge, side = vc["spatial_merge_size"], math.isqrt(vc["num_position_embeddings"])
     rows, cols = block_major_coords(h, w, merge)
     h_taps, h_weights = axis_taps(rows, h, side)
     w_taps, w_weights = axis_taps(cols, w, side)
-    table = np.asarray(pos_embed_weight, dtype=np.float32)
-    pos = np.zeros((rows.size, table.shape[1]), dtype=np.float32)
-    for i in range(2):
-        for j in range(2):
-            weight = (h_weights[:, i] * w_weights[:, j])[:, None]
-            pos = pos + table[h_taps[:, i] * side + w_taps[:, j]] * weight
+    pairs = [(i, j) for i in range(2) for j in range(2)]
+    index = np.stack([h_taps[:, i] * side + w_taps[:, j] for i, j in pairs])
+    weight = np.stack([h_weights[:, i] * w_weights[:, j] for i, j in pairs])
+    return np.tile(index, (1, t)), np.tile(weight, (1, t))
+
+
+def blend_taps(table, index, weight, zeros):
+    """The interpolated position embeddings [N, C] from `position_taps`: NumPy arrays, or torch
+    tensors on the device (the same float32 products and sums one by one, the same bytes)."""
+    pos = zeros
+    for k in range(index.shape[0]):
+        pos = pos + table[index[k]] * weight[k][:, None]
+    return pos
+
+
+def rotary_tables(grid_thw, config: dict) -> dict[str, np.ndarray]:
+    """The tower's rotary `cos` and `sin` [N, head_dim] (float32) of one grid."""
+    vc = config.get("vision_config", config)
+    t, h, w = (int(x) for x in grid_thw)
+    rows, cols = block_major_coords(h, w, vc["spatial_merge_size"])
     head_dim = vc["hidden_size"] // vc["num_heads"]
     theta = (vc.get("rope_parameters") or {}).get("rope_theta", VISION_THETA)
     half = head_dim // 2
@@ -67,7 +93,6 @@ def vision_inputs(grid_thw, pos_embed_weight: np.ndarray, config: dict) -> dict[
     emb = np.concatenate([freqs, freqs], axis=-1)
     repeat = (t, 1)
     return {
-        "pos_embeds": np.tile(pos, repeat),
         "cos": np.tile(np.cos(emb), repeat).astype(np.float32),
         "sin": np.tile(np.sin(emb), repeat).astype(np.float32),
     }
