@@ -146,13 +146,20 @@ if triton is not None:
         o_k = tl.arange(0, K)
         o_v = i_v * BV + tl.arange(0, BV)
         at_state = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+        # a pass's grid covers every row it could hold, the other launch's rows and empty ones
+        # too: they read no state (8 KB a program, most of a pass's traffic otherwise); the mask
+        # in the state's shape, as Triton's interpreter wants it
+        parents = tl.zeros([K, BV], dtype=tl.int64) + parent
         if TEXT:
             mine = parent < 0
             source = tl.where(mine, tl.load(row_prefix + i_r), 0)
-            h = tl.load(states + source * HV * K * V + at_state)
+            at_source = states + source * HV * K * V
+            reading = parents < 0
         else:
             mine = parent >= 0
-            h = tl.load(slots + tl.maximum(parent, 0) * HV * K * V + at_state)
+            at_source = slots + tl.maximum(parent, 0) * HV * K * V
+            reading = parents >= 0
+        h = tl.load(at_source + at_state, mask=reading, other=0.0)
         count = tl.where(mine, tl.load(row_length + i_r), 0)
         token = start
         last = start + count - 1  # the row's last token: a load ahead never leaves the row
