@@ -290,8 +290,8 @@ def packed_gated_delta_op(
 ) -> torch.Tensor:
     """q, k [N, H, dk], v [N, HV, dv] (each token's heads contiguous, tokens at any stride),
     g, beta float32 [N, HV], states float32 [Rp, HV, dk, dv], the row tables int64 [R + 1].
-    Two launches over every row: text rows, whose final states go to TEXT_ROWS slots, then
-    option rows from their parent's slot."""
+    Two launches: over the first TEXT_ROWS rows, where text rows lie, their final states into
+    as many slots; then over every row, option rows from their parent's slot."""
     if triton is None:
         raise RuntimeError("the packed delta kernel needs triton")
     n, heads, dk = q.shape
@@ -304,8 +304,9 @@ def packed_gated_delta_op(
     slots = torch.empty(TEXT_ROWS, value_heads, dk, dv, dtype=torch.float32, device=v.device)
     inputs = [t.contiguous() for t in (g, beta, states.float())]
     tables = [t.contiguous() for t in (row_start, row_length, row_parent, row_prefix)]
-    grid = ((row_start.shape[0] - 1) * value_heads, dv // BLOCK_V)
+    rows = row_start.shape[0] - 1
     for text in (True, False):
+        grid = ((min(rows, TEXT_ROWS) if text else rows) * value_heads, dv // BLOCK_V)
         _packed_delta_kernel[grid](
             q, k, v, *inputs, slots, *tables, out, scale, q.stride(0), v.stride(0),
             H=heads, HV=value_heads, K=dk, V=dv, BV=BLOCK_V, EPS=L2_EPS, TEXT=text,
