@@ -18,8 +18,8 @@ from runtime.run_passes import PassRunner, State, Stopwatch, padded_prefix, to_d
 from runtime.types import PreparedImage, PreparedVideo
 
 # the vision tower's position and rotary tables depend only on the patch grid: kept on the
-# device for this many grids (host arithmetic and copies of ~10 MB a request on the 4b
-# otherwise); up to 6 MB each on the 4b, and traffic of a dozen image sizes keeps them all
+# device for this many grids (made again, a new size costs the host its taps and rotary tables
+# and the device a blend); up to 6 MB each on the 4b, a dozen image sizes' traffic keeps them all
 VISION_TABLES = 32
 
 

@@ -801,13 +801,18 @@ def prepare_image(
     `resized` is None and `digest` names the image for the prefix cache.
     """
     rgb = decode_rgb(data, mime, opened, allocate)
+    digest = None if pack or resize else image_digest(data, mime)
+    return image_of_rgb(rgb, pack, resize, MAX_PIXELS, digest)
+
+
+def image_of_rgb(
+    rgb: np.ndarray, pack: bool, resize: bool, most: int, digest: bytes | None
+) -> PreparedImage:
+    """A decoded image (or a clip's frame) prepared as `prepare_image` says, its resize keeping
+    at most `most` pixels; `digest` names it where the resize is the device's."""
     height, width = rgb.shape[:2]
-    size = smart_resize(height, width)
-    resized = digest = None
-    if pack or resize:
-        resized = resize_rgb(rgb, *size)
-    else:
-        digest = image_digest(data, mime)
+    size = smart_resize(height, width, most)
+    resized = resize_rgb(rgb, *size) if pack or resize else None
     if pack:
         pixel_values, grid_thw = normalize_and_pack(resized)
     else:
@@ -819,7 +824,7 @@ def prepare_image(
         pixel_values=pixel_values,
         grid_thw=grid_thw,
         resized=resized,
-        digest=digest,
+        digest=None if resized is not None else digest,
     )
 
 

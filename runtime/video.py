@@ -76,7 +76,7 @@ class VideoSource:
         frames = video_frames(self)
         # where the device resizes, the frames are named by their source's bytes for the
         # prefix cache (hashing 16 decoded 1280x720 frames would take ~30 ms)
-        source = None if resize else images.image_digest(self.data, self.mime)
+        source = None if pack or resize else images.image_digest(self.data, self.mime)
         return prepare_video(request, tokenizer, frames, planner, started, pack, resize, source)
 
 

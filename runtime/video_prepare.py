@@ -18,13 +18,7 @@ from tokenizers import Tokenizer
 
 from runtime.constants import IMAGE_PAD_ID
 from runtime.errors import ContractError
-from runtime.images import (
-    CLIP_PREFIX,
-    normalize_and_pack,
-    resize_rgb,
-    resized_grid,
-    smart_resize,
-)
+from runtime.images import CLIP_PREFIX, image_of_rgb
 from runtime.processing import (
     IMAGE_PAD,
     PLACEHOLDER_ERROR,
@@ -35,7 +29,6 @@ from runtime.processing import (
 )
 from runtime.types import (
     Prepared,
-    PreparedImage,
     PreparedVideo,
     Question,
     QuestionLayout,
@@ -71,7 +64,7 @@ def prepare_video(
     most = decoded.most_pixels
     video = PreparedVideo(
         frames=tuple(
-            frame_image(rgb, most, pack, resize, frame_digest(source, index, most))
+            image_of_rgb(rgb, pack, resize, most, frame_digest(source, index, most))
             for index, rgb in enumerate(decoded.frames)
         ),
         timestamps=decoded.timestamps,
@@ -95,33 +88,6 @@ def prepare_video(
     )
     planned = planner(prepared) if planner is not None else None
     return replace(prepared, planned=planned, prepare_seconds=time.perf_counter() - started)
-
-
-def frame_image(
-    rgb: np.ndarray,
-    most: int,
-    pack: bool = True,
-    resize: bool = True,
-    digest: bytes | None = None,
-) -> PreparedImage:
-    """One frame as the processor prepares an image, its resize keeping at most `most` pixels
-    (a file's share of the clip, the image budget for a mosaic's tile): smart resize, resize,
-    normalize, pack; the last two, or all three, left to the device where `pack`, `resize` are
-    False (`runtime.images.device_image_patches`, byte for byte the host's), `digest` then
-    naming the frame for the prefix cache."""
-    height, width = rgb.shape[:2]
-    size = smart_resize(height, width, most)
-    resized = resize_rgb(rgb, *size) if pack or resize else None
-    pixel_values, grid_thw = normalize_and_pack(resized) if pack else (None, resized_grid(size))
-    return PreparedImage(
-        width=width,
-        height=height,
-        rgb=rgb,
-        pixel_values=pixel_values,
-        grid_thw=grid_thw,
-        resized=resized,
-        digest=None if resize else digest,
-    )
 
 
 def frame_digest(source: bytes | None, index: int, most: int) -> bytes | None:
