@@ -98,12 +98,17 @@ class Scheduler:
         self._execute_pool = ThreadPoolExecutor(1, thread_name_prefix="omnijev-execute")
         self._respond_pool = ThreadPoolExecutor(responding, thread_name_prefix="omnijev-respond")
 
+    @property
+    def full(self) -> bool:
+        """Whether `admit` would refuse a request now."""
+        return self.admitted >= self.limit
+
     def admit(self, work: Callable[[Ticket], Awaitable[T]]) -> Ticket | None:
         """Start `work` in its own task if fewer than `limit` requests are admitted, else None.
 
         The slot is released when that task ends, whether or not anyone still awaits it.
         """
-        if self.admitted >= self.limit:
+        if self.full:
             return None
         self.admitted += 1
         ticket = Ticket()

@@ -595,15 +595,15 @@ def create_app(
         async def decide(request: Request) -> Response:
             record: RequestRecord = request.state.record
             large = is_large(request)
+            # a large body that could not be admitted once parsed is refused unread: parsed, it
+            # would hold the upload slot that admitted clients' next bodies wait for
+            if large and scheduler.full:
+                return busy_unread(request, record, wire, "rejected unread")
             if large and not await slots.take(upload_wait_s):
-                record.admission = "uploads busy"
-                metrics.rejections.inc()
-                # uvicorn reads and drops a body of known length after the answer, so that the
-                # client reads the 503; one without a length may never end, so its connection
-                # closes
-                chunked = not request.headers.get("content-length", "").isdigit()
-                close = {"Connection": "close"} if chunked else {}
-                return wire_error(wire, 503, "the worker is busy", {**RETRY_AFTER, **close})
+                return busy_unread(request, record, wire, "uploads busy")
+            if large and scheduler.full:  # filled while it waited for the slot
+                slots.give_back()
+                return busy_unread(request, record, wire, "rejected unread")
             try:
                 obj = await read_and_parse(request, record, large, wire)
             finally:
@@ -638,6 +638,16 @@ def create_app(
             responses=route_responses(wire.path),
             openapi_extra={"requestBody": request_body(wire.path)},
         )
+
+    def busy_unread(request: Request, record: RequestRecord, wire: Wire, why: str) -> Response:
+        """503 busy to a large body before it is read."""
+        record.admission = why
+        metrics.rejections.inc()
+        # uvicorn reads and drops a body of known length after the answer, so that the client
+        # reads the 503; one without a length may never end, so its connection closes
+        chunked = not request.headers.get("content-length", "").isdigit()
+        close = {"Connection": "close"} if chunked else {}
+        return wire_error(wire, 503, "the worker is busy", {**RETRY_AFTER, **close})
 
     async def read_and_parse(
         request: Request, record: RequestRecord, large: bool, wire: Wire

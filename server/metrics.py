@@ -48,7 +48,9 @@ class RequestRecord:
     method: str
     path: str
     status: int = 0
-    admission: str | None = None  # "admitted" | "rejected" (busy), decision requests only
+    # decision requests only: "admitted", "rejected" (busy), "rejected unread" (busy, a large body
+    # not read), "uploads busy" (a large body found no upload slot)
+    admission: str | None = None
     outcome: str | None = None  # e.g. "answered", "dropped", "client gone"
     input_tokens: int | None = None
     questions: int | None = None

@@ -417,6 +417,34 @@ def test_24_simultaneous_requests_give_16_answers_and_8_busy() -> None:
     assert engine.most_running == 1
 
 
+def test_a_large_body_while_16_are_admitted_gets_503_before_it_is_sent() -> None:
+    engine = RealishEngine(hold_execute=True)
+    with ThreadPoolExecutor(16) as pool, ThreadServer(engine) as server:
+        wait_ready(server.url)
+        futures = [pool.submit(post, server.url, decision()) for _ in range(16)]
+        until(lambda: admitted(server.url) == 16, "16 admitted")
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            # a large body's first byte only: read, it could never be parsed before the deadline
+            sock.sendall(
+                f"POST {DECIDE} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {5 * MiB}\r\n\r\n{{".encode()
+            )
+            sock.settimeout(WAIT_S)
+            raw = b""
+            while b"\r\n\r\n" not in raw:
+                raw += sock.recv(65536)
+            head, _, body = raw.partition(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: (\d+)", head)[1])
+            while len(body) < length:
+                body += sock.recv(65536)
+        assert admitted(server.url) == 16
+        engine.release(executes=16)
+        assert [f.result().status_code for f in futures] == [200] * 16
+    assert head.startswith(b"HTTP/1.1 503") and re.search(rb"(?i)retry-after: 1", head)
+    assert json.loads(body) == BUSY
+
+
 def test_execution_is_serial_and_first_in_first_out() -> None:
     engine = RealishEngine(hold_execute=True)
     with ThreadPoolExecutor(4) as pool, ThreadServer(engine) as server:
