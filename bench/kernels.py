@@ -1,19 +1,23 @@
 """Where a request's device time goes, kernel by kernel: requests run warm under torch's
 profiler, each kernel's time summed by name and by family (products, attention, the recurrence,
 norms and the rest), and the products' achieved TFLOP/s from the request's own count
-(`bench.plans.products_tflop`). On the CPU the families are of operators' own time.
+(`bench.plans.products_tflop`). On the CPU the families are of operators' own time. With
+`--tree`, another revision's files (the baseline's) run the same requests in a process of
+their own, this file's profiler driving that tree's `load_engine` and `answer` alone.
 
-    python -m bench.kernels --checkpoint C --engines E --out F
+    python -m bench.kernels --checkpoint C --engines E --out F [--tree DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-
-from bench import traffic
 
 RUNS = 5  # profiled warm runs a request
 TOP = 12  # kernels listed a request
@@ -38,6 +42,7 @@ def family(name: str) -> str:
 def requests(seed: int) -> dict[str, bytes]:
     """The issue's two single requests, 1 question on a 1920x1080 PNG and 12 on a 1920x1080
     JPEG, and the bench's Choice of 255 options (its workload furthest behind the baseline)."""
+    from bench import traffic
     from bench.workloads import bench_body
 
     return {
@@ -95,21 +100,48 @@ def summary(times: dict[str, float], tflop: float | None) -> dict:
     return made
 
 
-def kernel_profile(executor, seed: int, runs: int = RUNS) -> dict:
-    """Each of `requests(seed)` profiled warm: its summary."""
+def packed_tflop(executor, body: bytes) -> float | None:
+    """The products a request's packed passes run, in TFLOP (`bench.plans.products_tflop`)."""
     from bench.plans import products_tflop
     from runtime.packing import PackedPlan
     from runtime.strict_json import parse_body
 
+    prepared = executor.prepare(parse_body(body))
+    work = executor.work_of(prepared)
+    return products_tflop(prepared, work)["tflop_slots"] if isinstance(work, PackedPlan) else None
+
+
+def kernel_profile(
+    executor,
+    bodies: dict[str, bytes],
+    runs: int = RUNS,
+    count: Callable[[object, bytes], float | None] | None = packed_tflop,
+) -> dict:
+    """Each of `bodies` (`requests(seed)`) profiled warm: its summary, with its products'
+    rate where `count` gives their TFLOP."""
     made = {}
-    for name, body in requests(seed).items():
-        prepared = executor.prepare(parse_body(body))
-        work = executor.work_of(prepared)
-        tflop = None
-        if isinstance(work, PackedPlan):
-            tflop = products_tflop(prepared, work)["tflop_slots"]
+    for name, body in bodies.items():
+        tflop = count(executor, body) if count is not None else None
         made[name] = summary(kernel_times(executor.answer, body, runs), tflop)
     return made
+
+
+def profile_tree(tree: Path, args: argparse.Namespace) -> dict:
+    """`requests(args.seed)` profiled on `tree`'s runtime, in a process whose imports find that
+    tree first (this file run as a script there, `--bodies`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        for name, body in requests(args.seed).items():
+            (Path(folder) / f"{name}.json").write_bytes(body)
+        out = Path(folder) / "record.json"
+        paths = [str(tree), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        # -P: this file's folder stays off the path (its modules are named like other packages')
+        command = [sys.executable, "-P", str(Path(__file__).resolve()), "--runs", str(args.runs)]
+        for option in ("checkpoint", "engines"):  # the process runs in `tree`
+            command += [f"--{option}", str(Path(getattr(args, option)).resolve())]
+        command += ["--bodies", folder, "--out", str(out)]
+        subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
 
 
 def table(record: dict) -> str:
@@ -124,6 +156,23 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def own_profile(args: argparse.Namespace) -> dict:
+    """The requests profiled on the runtime this process imports: this tree's, shapes built
+    first and products counted; or, with `--bodies` (`profile_tree`), another tree's, which
+    builds its shapes in the warm runs and whose passes are not counted."""
+    from runtime.config import RuntimeConfig
+    from runtime.executor import load_engine
+
+    # every request runs its image prefix, as over HTTP with the prefix cache off
+    config = RuntimeConfig.from_env(backend="torch", prefix_cache=0)
+    executor = load_engine(args.checkpoint, args.engines, config)
+    if args.bodies is None:
+        executor.build_shapes()
+        return kernel_profile(executor, requests(args.seed), args.runs)
+    bodies = {path.stem: path.read_bytes() for path in sorted(args.bodies.glob("*.json"))}
+    return kernel_profile(executor, bodies, args.runs, count=None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels")
     parser.add_argument("--checkpoint", required=True)
@@ -131,15 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=RUNS)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tree", type=Path, default=None, help="another revision's files")
+    parser.add_argument("--bodies", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from runtime.config import RuntimeConfig
-    from runtime.executor import load_engine
-
-    # every request runs its image prefix, as over HTTP with the prefix cache off
-    config = RuntimeConfig.from_env(backend="torch", prefix_cache=0)
-    executor = load_engine(args.checkpoint, args.engines, config)
-    executor.build_shapes()
-    record = kernel_profile(executor, args.seed, args.runs)
+    if args.tree is not None:
+        record = profile_tree(args.tree.resolve(), args)
+    else:
+        record = own_profile(args)
     args.out.write_text(json.dumps(record, indent=1))
     print(table(record))
     return 0

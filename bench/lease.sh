@@ -6,14 +6,16 @@
 #      (`bench/serve_ab.sh`: latency at one client, 1 and 16 clients with every answer compared);
 #   2: the reference's time on the suite's 12-question requests, BF16 parity beside the BF16
 #      reference's own distance to float32, then this tree in process (`bench.packed_check`:
-#      every question alone against its request, the stage and kernel profiles);
+#      every question alone against its request, the stage and kernel profiles), and the
+#      baseline's kernel profile of the same three requests (`bench.kernels --tree .before`,
+#      on call 1's engine directory: carry .before);
 #   3: `bench.blas_rows` on cards other than the H100, then this tree started with the caches
 #      its first start left, under 4 and 64 clients, and again with `--merge off` at one client.
 #   4: this tree with clips (PyAV carried in .gpu-wheels/video): a 16-frame 1280x720 clip of 12
 #      questions against a still, and stills under 16 clients with and without a quarter clips.
 #   5: `omnijev bench`'s six workloads in process, this tree then the baseline (after call 1 on
 #      the same warm machine, which built both engine directories; carry .before).
-# Carry .gpu-wheels (and .before for call 1):
+# Carry .gpu-wheels (and .before for calls 1, 2 and 5):
 #   BENCH_COMMIT=<sha> bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
 call=${1:?usage: bench/lease.sh 1-5 OUTDIR}; out=${2:?usage: bench/lease.sh 1-5 OUTDIR}
@@ -46,9 +48,12 @@ case $call in
     PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(($(left) / 2)) python3 -m runtime.cli parity --checkpoint "$ck" \
       --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
       --out "$work/parity.json" > "$work/parity.log" 2>&1
-    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m bench.packed_check --checkpoint "$ck" \
-      --engines /tmp/omnijev/engines-new --requests 6 --out "$work/check.json" \
+    PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(($(left) * 2 / 3)) python3 -m bench.packed_check \
+      --checkpoint "$ck" --engines /tmp/omnijev/engines-new --requests 6 --out "$work/check.json" \
       > "$work/check.log" 2>&1
+    [[ -d .before ]] && PYTHONPATH=/tmp/site:/tmp/fla:. timeout $(left) python3 -m bench.kernels \
+      --checkpoint "$ck" --engines /tmp/omnijev/engines-base --tree .before \
+      --out "$work/kernels-base.json" > "$work/kernels-base.log" 2>&1
     ;;
   3)
     grep -q H100 "$work/card.txt" || PYTHONPATH=/tmp/site:. timeout 100 python3 -m bench.blas_rows \

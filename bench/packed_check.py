@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(record), flush=True)
     builds = executor.shape_builds()[0]
     record["stages_ms"] = stage_profile(executor, args.seed)
-    record["kernels"] = kernel_profile(executor, args.seed)
+    record["kernels"] = kernel_profile(executor, single_requests(args.seed))
     print(kernel_table(record["kernels"]), flush=True)
     record.update(check(executor, args.requests, args.seed))
     record["builds_while_checking"] = executor.shape_builds()[0] - builds

@@ -5,6 +5,7 @@ the CPU end to end."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -316,12 +317,12 @@ def test_the_kernel_profile_sums_each_requests_device_time_by_family(tmp_path_fa
     """`bench.kernels` on the CPU (operators' own time): each of its three requests has
     its time, its families summing to it, its longest kernels in order, and its products' rate
     from the 4b count; a kernel's family follows its name."""
-    from bench.kernels import TOP, family, kernel_profile, table
+    from bench.kernels import TOP, family, kernel_profile, requests, table
     from runtime.executor import load_engine
 
     checkpoint, engines = tiny_engines(tmp_path_factory)
     executor = load_engine(str(checkpoint), str(engines), "torch")
-    record = kernel_profile(executor, seed=0, runs=1)
+    record = kernel_profile(executor, requests(0), runs=1)
     assert set(record) == {"q1-png", "q12-jpeg", "o255"}
     for made in record.values():
         assert made["device_ms"] > 0
@@ -334,6 +335,39 @@ def test_the_kernel_profile_sums_each_requests_device_time_by_family(tmp_path_fa
     named = ["sm90_xmma_gemm_bf16", "nvjet_tst_128x256", "flash_fwd_kernel", "chunk_fwd_kernel_o"]
     assert [family(n) for n in named] == ["products", "products", "attention", "recurrence"]
     assert family("triton_poi_fused_add_0") == "other"
+
+
+def test_the_kernel_profile_of_another_tree_runs_its_runtime_in_a_process_of_its_own(
+    tmp_path_factory, tmp_path, monkeypatch
+):
+    """`bench.kernels --tree`: the requests profiled by a process importing the given tree's
+    runtime (here a copy of this one's, which a marker in the copy proves was the one loaded),
+    paths given relative to here; no products counted there. One request of the three, for
+    time: the CPU profiler records every operator."""
+    import shutil
+
+    from bench import kernels
+
+    one = {"q1-png": kernels.requests(0)["q1-png"]}
+    monkeypatch.setattr(kernels, "requests", lambda seed: one)
+
+    checkpoint, engines = tiny_engines(tmp_path_factory)
+    tree = tmp_path / "tree"
+    caches = shutil.ignore_patterns("__pycache__")
+    for package in ("runtime", "reference", "build_engines", "plugins"):
+        shutil.copytree(ROOT / package, tree / package, ignore=caches)
+    loaded = tmp_path / "loaded"
+    marker = f"\nopen({str(loaded)!r}, 'w').write(__file__)\n"
+    with (tree / "runtime" / "executor.py").open("a") as module:
+        module.write(marker)
+    out = tmp_path / "record.json"
+    relative = [Path(os.path.relpath(p)) for p in (checkpoint, engines)]
+    args = ["--checkpoint", str(relative[0]), "--engines", str(relative[1]), "--runs", "1"]
+    assert kernels.main([*args, "--tree", str(tree), "--out", str(out)]) == 0
+    assert loaded.read_text() == str(tree / "runtime" / "executor.py")
+    made = json.loads(out.read_text())["q1-png"]
+    assert made["device_ms"] > 0 and made["families_ms"]["products"] > 0
+    assert "products_tflop" not in made
 
 
 def test_the_bench_serves_the_engine_to_closed_loop_clients_over_http(tmp_path_factory):
