@@ -314,16 +314,19 @@ def test_the_product_count_is_the_4b_modules_linear_weights():
 
 
 def test_the_kernel_profile_sums_each_requests_device_time_by_family(tmp_path_factory):
-    """`bench.kernels` on the CPU (operators' own time): each of its three requests has
-    its time, its families summing to it, its longest kernels in order, and its products' rate
-    from the 4b count; a kernel's family follows its name."""
+    """`bench.kernels` on the CPU (operators' own time): each request profiled has its time,
+    its families summing to it, its longest kernels in order, and its products' rate from the
+    4b count; a kernel's family follows its name. Two of its three requests: the 255-option
+    one takes 30 s of the CPU profiler's recording here."""
     from bench.kernels import TOP, family, kernel_profile, requests, table
     from runtime.executor import load_engine
 
     checkpoint, engines = tiny_engines(tmp_path_factory)
     executor = load_engine(str(checkpoint), str(engines), "torch")
-    record = kernel_profile(executor, requests(0), runs=1)
-    assert set(record) == {"q1-png", "q12-jpeg", "o255"}
+    bodies = requests(0)
+    assert set(bodies) == {"q1-png", "q12-jpeg", "o255"}
+    record = kernel_profile(executor, {k: bodies[k] for k in ("q1-png", "q12-jpeg")}, runs=1)
+    assert set(record) == {"q1-png", "q12-jpeg"}
     for made in record.values():
         assert made["device_ms"] > 0
         assert abs(sum(made["families_ms"].values()) - made["device_ms"]) < 0.01
