@@ -809,7 +809,7 @@ def image_of_rgb(
     rgb: np.ndarray, pack: bool, resize: bool, most: int, digest: bytes | None
 ) -> PreparedImage:
     """A decoded image (or a clip's frame) prepared as `prepare_image` says, its resize keeping
-    at most `most` pixels; `digest` names it where the resize is the device's."""
+    at most `most` pixels; `digest` names it where the resize is the device's (None elsewhere)."""
     height, width = rgb.shape[:2]
     size = smart_resize(height, width, most)
     resized = resize_rgb(rgb, *size) if pack or resize else None
@@ -824,7 +824,7 @@ def image_of_rgb(
         pixel_values=pixel_values,
         grid_thw=grid_thw,
         resized=resized,
-        digest=None if resized is not None else digest,
+        digest=digest,
     )
 
 
