@@ -3,7 +3,8 @@
 # call's ten minutes (results tarred into OUTDIR, since a call returns at most 8 files):
 #   1: the checkpoint, then this tree and the baseline in .before (`git archive 226ddae | tar x
 #      -C .before`, carried) in turns, each served cold under the traffic suite
-#      (`bench/serve_ab.sh`: latency at one client, 1 and 16 clients with every answer compared);
+#      (`bench/serve_ab.sh`: latency at one client, 1 and 16 clients with every answer compared;
+#      VIDEO=1 adds call 4's clips to this tree's turn, for a lease too short for call 4);
 #   2: the reference's time on the suite's 12-question requests, BF16 parity beside the BF16
 #      reference's own distance to float32, then this tree in process (`bench.packed_check`:
 #      every question alone against its request, the stage and kernel profiles), and the
@@ -36,9 +37,11 @@ left() { echo $((${CALL_S:-585} - SECONDS)); }  # what is left of the call (CALL
 case $call in
   1)
     CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
-    CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(($(left) / 2)) bash bench/serve_ab.sh . new "$work"
+    # VIDEO=1 adds call 4's clip runs to this tree's turn (PyAV carried; the baseline has no clips)
+    VIDEO=${VIDEO:-0} CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(($(left) * 11 / 20)) \
+      bash bench/serve_ab.sh . new "$work"
     stop_workers
-    CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(left) bash bench/serve_ab.sh .before base "$work"
+    VIDEO=0 CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(left) bash bench/serve_ab.sh .before base "$work"
     stop_workers
     ;;
   2)
