@@ -5,6 +5,10 @@ the container headers."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -131,6 +135,33 @@ def test_a_spare_decoder_decodes_the_next_file_and_ends_with_the_worker() -> Non
     idle = video.start_decoder()
     idle.stdin.close()
     assert idle.wait(timeout=60) == 0
+
+
+def frame_files() -> set[str]:
+    where = Path(video.FRAMES_DIR or tempfile.gettempdir())
+    return {p.name for p in where.glob("omnijev-frames-*")}
+
+
+def test_the_frames_come_back_through_a_file_that_is_removed_whatever_the_end() -> None:
+    """Decoded, refused, past the deadline, or the decoder dead: no frames file is left, and a
+    file cut short is an invalid video, not a reshape error."""
+    before = frame_files()
+    data, mime = clip(3, 48, 32)
+    file = video.video_file(video_url(data, mime))
+    frames = video.decode_file(file)
+    assert [f.shape for f in frames.frames] == [(32, 48, 3)] * 3
+    with pytest.raises(ContractError):
+        video.decode_file(file, seconds=0, slack=0.01)
+    with pytest.raises(ContractError):
+        video.decode_file(file, python="/bin/false")
+    assert frame_files() == before
+    handle, path = tempfile.mkstemp()
+    os.close(handle)
+    meta = video.frames_written(path, frames)
+    Path(path).write_bytes(Path(path).read_bytes()[:-1])
+    with pytest.raises(ContractError, match="^invalid video$"):
+        video.frames_read(path, *meta)
+    os.unlink(path)
 
 
 @pytest.mark.parametrize(("fmt", "codec"), [("mp4", "libx264"), ("webm", "libvpx")])
