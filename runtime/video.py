@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,8 +58,11 @@ DECODER_MEMORY = 4 * 1024**3
 ROOT = Path(__file__).resolve().parents[1]  # where `runtime` is imported from in the decoder
 DECODER_THREADS = 1  # a request decodes on its preparation thread, beside another request's
 # the frames come back through a file in memory, not the pipe: 16 frames of 1280x720 are 44 MB,
-# pickled through a pipe ~100 ms a clip on this project's CPU machine, written and read ~20 ms
-FRAMES_DIR = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+# pickled through a pipe ~100 ms a clip on this project's CPU machine, written and read ~20 ms;
+# where /dev/shm cannot hold the largest clip's frames (a container's default is 64 MB), the
+# temporary directory takes them
+SHARED_MEMORY = Path("/dev/shm")
+LARGEST_FRAMES = MAX_FRAMES * MAX_FRAME_PIXELS * 3
 MOSAIC_FIELDS = ("n_frames", "cols", "tile", "timestamps", "duration")
 MP4_MAGIC_AT, MP4_MAGIC = 4, b"ftyp"  # ISO BMFF's first box
 WEBM_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header
@@ -262,13 +266,24 @@ def decode_file(
     that process, never the worker, and the preparation slot is free again within `seconds` and
     `slack`."""
     process = DECODERS.take() if python is None else start_decoder(python)
-    handle, path = tempfile.mkstemp(prefix="omnijev-frames-", dir=FRAMES_DIR)
+    handle, path = tempfile.mkstemp(prefix="omnijev-frames-", dir=frames_dir())
     os.close(handle)
     try:
         sent = pickle.dumps((video.mime, video.data, path))
         return answer_of(process, sent, seconds, slack, path)
     finally:
         os.unlink(path)
+
+
+def frames_dir() -> str | None:
+    """/dev/shm where it holds the largest clip's frames, else None (the temporary directory)."""
+    try:
+        free = shutil.disk_usage(SHARED_MEMORY).free
+    except OSError:
+        return None
+    if free < LARGEST_FRAMES or not os.access(SHARED_MEMORY, os.W_OK):
+        return None
+    return str(SHARED_MEMORY)
 
 
 def answer_of(

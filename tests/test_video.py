@@ -138,7 +138,7 @@ def test_a_spare_decoder_decodes_the_next_file_and_ends_with_the_worker() -> Non
 
 
 def frame_files() -> set[str]:
-    where = Path(video.FRAMES_DIR or tempfile.gettempdir())
+    where = Path(video.frames_dir() or tempfile.gettempdir())
     return {p.name for p in where.glob("omnijev-frames-*")}
 
 
@@ -162,6 +162,18 @@ def test_the_frames_come_back_through_a_file_that_is_removed_whatever_the_end() 
     with pytest.raises(ContractError, match="^invalid video$"):
         video.frames_read(path, *meta)
     os.unlink(path)
+
+
+def test_frames_go_to_shared_memory_only_where_it_holds_the_largest_clip(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(video, "SHARED_MEMORY", tmp_path / "absent")
+    assert video.frames_dir() is None
+    monkeypatch.setattr(video, "SHARED_MEMORY", tmp_path)
+    monkeypatch.setattr(video, "LARGEST_FRAMES", 1 << 62)
+    assert video.frames_dir() is None
+    monkeypatch.setattr(video, "LARGEST_FRAMES", 1)
+    assert video.frames_dir() == str(tmp_path)
 
 
 @pytest.mark.parametrize(("fmt", "codec"), [("mp4", "libx264"), ("webm", "libvpx")])
