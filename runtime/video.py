@@ -275,15 +275,15 @@ def decode_file(
         os.unlink(path)
 
 
-def frames_dir() -> str | None:
-    """/dev/shm where it holds the largest clip's frames, else None (the temporary directory)."""
+def frames_dir(shared: Path = SHARED_MEMORY, largest: int = LARGEST_FRAMES) -> str | None:
+    """`shared` where it holds the `largest` frames' bytes, else None (the temporary directory)."""
     try:
-        free = shutil.disk_usage(SHARED_MEMORY).free
+        free = shutil.disk_usage(shared).free
     except OSError:
         return None
-    if free < LARGEST_FRAMES or not os.access(SHARED_MEMORY, os.W_OK):
+    if free < largest or not os.access(shared, os.W_OK):
         return None
-    return str(SHARED_MEMORY)
+    return str(shared)
 
 
 def answer_of(

@@ -164,16 +164,10 @@ def test_the_frames_come_back_through_a_file_that_is_removed_whatever_the_end() 
     os.unlink(path)
 
 
-def test_frames_go_to_shared_memory_only_where_it_holds_the_largest_clip(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setattr(video, "SHARED_MEMORY", tmp_path / "absent")
-    assert video.frames_dir() is None
-    monkeypatch.setattr(video, "SHARED_MEMORY", tmp_path)
-    monkeypatch.setattr(video, "LARGEST_FRAMES", 1 << 62)
-    assert video.frames_dir() is None
-    monkeypatch.setattr(video, "LARGEST_FRAMES", 1)
-    assert video.frames_dir() == str(tmp_path)
+def test_frames_go_to_shared_memory_only_where_it_holds_the_largest_clip(tmp_path: Path) -> None:
+    assert video.frames_dir(tmp_path / "absent") is None
+    assert video.frames_dir(tmp_path, largest=1 << 62) is None
+    assert video.frames_dir(tmp_path, largest=1) == str(tmp_path)
 
 
 @pytest.mark.parametrize(("fmt", "codec"), [("mp4", "libx264"), ("webm", "libvpx")])
