@@ -265,10 +265,10 @@ def decode_file(
     at its deadline: a container FFmpeg chokes on, or a decode that hangs inside one call, costs
     that process, never the worker, and the preparation slot is free again within `seconds` and
     `slack`."""
-    process = DECODERS.take() if python is None else start_decoder(python)
     handle, path = tempfile.mkstemp(prefix="omnijev-frames-", dir=frames_dir())
     os.close(handle)
     try:
+        process = DECODERS.take() if python is None else start_decoder(python)
         sent = pickle.dumps((video.mime, video.data, path))
         return answer_of(process, sent, seconds, slack, path)
     finally:
@@ -324,9 +324,8 @@ def frames_read(
     sizes = [math.prod(shape) for shape in shapes]
     if pixels.size != sum(sizes):  # the decoder died while it wrote
         raise ContractError(INVALID_VIDEO)
-    starts = np.cumsum([0, *sizes[:-1]])
-    pieces = zip(shapes, sizes, starts, strict=True)
-    frames = tuple(pixels[at : at + size].reshape(shape) for shape, size, at in pieces)
+    pieces = np.split(pixels, np.cumsum(sizes)[:-1])
+    frames = tuple(piece.reshape(shape) for piece, shape in zip(pieces, shapes, strict=True))
     return VideoFrames(frames, timestamps, duration, most_pixels)
 
 
