@@ -92,6 +92,10 @@ def summary(times: dict[str, float], tflop: float | None) -> dict:
         "top": [
             {"kernel": name[:120], "ms": round(ms, 3), "family": family(name)} for name, ms in top
         ],
+        # every kernel, for the comparisons a top list leaves out (which copies, which kernels)
+        "kernels": {
+            name[:120]: round(ms, 4) for name, ms in sorted(times.items(), key=lambda i: -i[1])
+        },
     }
     products = families.get("products", 0.0)
     if tflop is not None and products > 0:

@@ -291,11 +291,12 @@ class Executor:
     def prefix_slots(self, count: int, clip: bool = False) -> int:
         """The image prefixes a pass of `count` images reads. A pass's shape includes its
         prefix count, and each shape is a CUDA graph of its own: where prefix keys are fixed
-        (one graph a packed size) every pass reads the backend's `prefixes`, a lone request's
-        too, but a clip's one (its CLIP_PREFIX keys four times over would be 576 MiB of K/V a
-        pass on the 4b); elsewhere counts of a power of two keep the shapes few."""
+        (one graph a packed size) the backend's graph reads its `prefixes` and takes fewer in
+        its first rows, so the stack is the images' own (a clip's graph reads one: its
+        CLIP_PREFIX keys four times over would be 576 MiB of K/V a pass on the 4b); elsewhere
+        counts of a power of two keep the shapes few."""
         if self.choices.fixed_prefix_keys:
-            return 1 if clip else self.backend.capabilities.prefixes
+            return count
         return 1 if count == 1 else batch_bucket(count, MAX_PREFIXES)
 
     def image_state(self, prepared: Prepared, clock: Stopwatch) -> tuple[State, State]:
@@ -371,7 +372,9 @@ class Executor:
         with torch.inference_mode():
             self.backend.prepare(self.backend.vision_shapes())
             self.build_prefixes(stills, self.prefix.feature_rows(MAX_IMAGE_TOKENS))
-            self.build_packed(self.image_states([prepared], Stopwatch(self.stages)))
+            # the stills' graphs read the backend's `prefixes` (`prefix_slots`)
+            every = [prepared] * self.backend.capabilities.prefixes
+            self.build_packed(self.image_states(every, Stopwatch(self.stages)))
             longest = self.build_prefixes(clips, self.prefix.feature_rows(CLIP_PREFIX, clip=True))
             self.build_packed(longest)  # a clip's: CLIP_PREFIX keys, one prefix
             torch.cuda.synchronize(self.device)

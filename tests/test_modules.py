@@ -345,6 +345,32 @@ def test_vision_tower_matches_transformers(tiny):
     assert relative(ours, expected) < TOLERANCE
 
 
+def test_padding_patches_leave_the_image_rows_in_both_attentions(tiny):
+    """An image padded with patches (the torch backend's patch buckets): its rows within 1e-5 of
+    the unpadded tower's, with the masked product (the CPU) and with torch's fused attention
+    given padding columns and no mask (CUDA), whose rows keep their bytes whatever the padding
+    holds."""
+    model, export = tiny
+    tower, pos_embed = load_vision_tower(export)
+    pixels = grid_pixels(model)
+    config = json.loads((export / "config.json").read_text())
+    inputs = vision_inputs(GRID, pos_embed, config)
+    feeds = [pixels, *(torch.from_numpy(inputs[n]) for n in ("pos_embeds", "cos", "sin"))]
+    count, extra = pixels.shape[0], 12
+    patches = torch.tensor([count])
+    with torch.no_grad():
+        plain = tower(*feeds)
+        rows = count // 4
+        for sdpa in (False, True):
+            for block in tower.blocks:
+                block.sdpa = sdpa
+            padded = [torch.cat([f, torch.randn(extra, f.shape[1])]) for f in feeds]
+            first = tower(*padded, patches)[:rows]
+            assert float((first - plain).abs().max()) < 1e-5, sdpa
+            padded = [torch.cat([f, torch.randn(extra, f.shape[1]) * 50]) for f in feeds]
+            assert torch.equal(tower(*padded, patches)[:rows], first), sdpa
+
+
 def test_passes_match_one_plain_forward_per_row(tiny):
     model, export = tiny
     config = json.loads((export / "config.json").read_text())

@@ -485,3 +485,34 @@ def test_the_vision_tables_blended_on_the_device_are_the_hosts(engines, executor
     for name, tensor in made.items():
         theirs = torch.from_numpy(host[name]).to(tensor.dtype)
         assert tensor.cpu().float().numpy().tobytes() == theirs.float().numpy().tobytes(), name
+
+
+def test_a_smaller_prefix_stack_goes_into_the_first_rows_of_the_wider_graphs_buffers(executor):
+    """Where a packed graph reading GRAPH_PREFIXES image prefixes is built, a pass of fewer runs
+    it with its prefixes in the first rows of that graph's input buffers (no padded stack, no
+    copy into the graph's own); where none is built (a clip's pass), its feeds stay as given."""
+    from runtime.backends.compiled import GRAPH_PREFIXES, PACKED_GRAPH
+    from runtime.backends.graphs import Slot
+
+    backend = executor.backend
+    body = {
+        "input_ids": torch.zeros(8, dtype=torch.int64),
+        "prefix_k.0": torch.randn(1, 2, 5, 4),
+        "prefix_mask": torch.ones(1, 5, dtype=torch.bool),
+        "src_rec.0": torch.randn(1, 2, 4, 4),
+    }
+    assert backend.stacked_in_place(body) is body  # no wider graph built
+    wide = {
+        n: (GRAPH_PREFIXES, *t.shape[1:]) if n != "input_ids" else t.shape for n, t in body.items()
+    }
+    key = (PACKED_GRAPH, *((n, tuple(wide[n]), t.dtype) for n, t in body.items()))
+    slots = backend.slots[PACKED_GRAPH]
+    slots.install(key, Slot(inputs={}, outputs={}))
+    try:
+        placed = backend.stacked_in_place(body)
+        assert placed["input_ids"] is body["input_ids"]
+        for name in ("prefix_k.0", "prefix_mask", "src_rec.0"):
+            buffer = backend.state_buffer(name, wide[name], body[name].dtype)
+            assert placed[name] is buffer and torch.equal(buffer[:1], body[name])
+    finally:
+        slots.slots.entries.pop(key)

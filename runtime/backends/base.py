@@ -27,7 +27,9 @@ class Capabilities:
     padded_targets: bool = True
     # every pass after the image prefix reads the longest prefix's keys, a shorter prefix's
     # padded with masked zero keys (`runtime.run_passes.padded_prefix`): a backend that captures
-    # a graph per shape then has one for each pass shape, not one for each image size besides
+    # a graph per shape then has one for each pass shape, not one for each image size besides;
+    # its packed passes take a stack of fewer image prefixes than `prefixes` in the first rows
+    # of the graph that reads `prefixes` of them
     fixed_prefix_keys: bool = False
     # the device runs enqueued work while the host goes on (CUDA): the heads' large products
     # there, behind the passes

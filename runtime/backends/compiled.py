@@ -78,6 +78,10 @@ READOUT_OUTPUTS = ("hidden", "logprobs")
 # batch): up to four requests' rows share a pass; a lone request's pass reads its own prefix
 # among three unread copies of it (about 70 MB a prefix on the 4b, copied in before the pass)
 GRAPH_PREFIXES = 4
+# the packed pass's feeds of one row an image prefix: a stack of fewer than GRAPH_PREFIXES goes
+# into the first rows of the graph's own input buffers, the rest left as they are (no row reads
+# them), in place of a stack padded with copies and then copied in (560 MB a pass on the 4b)
+PREFIX_STACK = ("prefix_k.", "prefix_v.", "prefix_mask", "src_conv.", "src_rec.")
 
 
 def versions() -> dict[str, str | None]:
@@ -285,6 +289,10 @@ class TorchBackend:
         self.table = padded_table(self.language.embed_tokens.weight.data)
         self.language.embed_tokens.weight.data = self.table[: self.vocab]
         self.functions = self.make_functions()
+        # one memory pool for every captured graph: passes run one at a time on one stream, and
+        # `run` reads a pass's outputs before the next (graphs.GraphSlots); a pool a graph kept
+        # 43.9 GB reserved against 16.7 allocated on the H100 (docs/measurements/h100-2026-12-07c)
+        pool = torch.cuda.graph_pool_handle() if graphs else None
         self.slots = {
             graph: GraphSlots(
                 self.device,
@@ -292,6 +300,7 @@ class TorchBackend:
                 launch=partial(self.launch, graph),
                 size=GRAPH_SLOTS,
                 capture=graphs,
+                pool=pool,
             )
             for graph in ("vision", *LM_GRAPHS)
         }
@@ -464,6 +473,8 @@ class TorchBackend:
                 outputs["image_features"].copy_(self.compute(graph, feeds)["image_features"])
             return
         body = graph_body(feeds)
+        if graph == PACKED_GRAPH and self.device.type == "cuda":
+            body = self.stacked_in_place(body)
         states = {n: t for n, t in outputs.items() if n not in READOUT_OUTPUTS}
         if self.device.type != "cuda":
             results = self.compute(graph, body)
@@ -473,6 +484,28 @@ class TorchBackend:
             results = self.slots[graph].run(signature(graph, body), body, states).outputs
         if any(name in READOUT_OUTPUTS for name in outputs):
             self.read(results["flat"], feeds, outputs)
+
+    def stacked_in_place(self, body: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A packed pass's feeds with its image prefixes in the first rows of the input buffers
+        of the graph that reads GRAPH_PREFIXES of them, where that graph is built (a clip's
+        pass, of one prefix at a clip's keys, has no such graph and runs as given)."""
+        count = body["prefix_mask"].shape[0]
+        if count >= GRAPH_PREFIXES:
+            return body
+        wide = {
+            name: (GRAPH_PREFIXES, *t.shape[1:]) if name.startswith(PREFIX_STACK) else t.shape
+            for name, t in body.items()
+        }
+        key = (PACKED_GRAPH, *((name, tuple(wide[name]), t.dtype) for name, t in body.items()))
+        if self.slots[PACKED_GRAPH].get(key) is None:
+            return body
+        placed = dict(body)
+        for name, tensor in body.items():
+            if name.startswith(PREFIX_STACK):
+                buffer = self.state_buffer(name, wide[name], tensor.dtype)
+                buffer[:count].copy_(tensor, non_blocking=True)
+                placed[name] = buffer
+        return placed
 
     def run_vision(self, feeds: dict[str, torch.Tensor], out: torch.Tensor) -> None:
         """The vision tower on CUDA, its patches padded to the next PATCH_STEP (`padded_patches`):
@@ -537,8 +570,8 @@ class TorchBackend:
         """A slot's static inputs, shared by every slot with an input of that name and shape
         (passes run one at a time and each copies its feeds in just before its replay: one
         prefix-state buffer serves every packed size); its outputs are whatever the launch
-        returned last (during a capture: tensors of the graph's own pool, rewritten by every
-        replay)."""
+        returned last (during a capture: tensors of the graphs' one pool, good until the next
+        replay of any graph, so `run` reads them at once)."""
         inputs = {
             name: self.state_buffer(name, tuple(tensor.shape), tensor.dtype)
             for name, tensor in feeds.items()

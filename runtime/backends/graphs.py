@@ -81,7 +81,14 @@ class GraphSlots:
 
     A slot's build is its binding and every run until it is built (its capture, or its first
     launch where it does not capture): `builds` counts the slots built, `build_seconds` the
-    host's seconds spent building (compilation, capture, a session's first run)."""
+    host's seconds spent building (compilation, capture, a session's first run).
+
+    With `pool` (`torch.cuda.graph_pool_handle()`), every capture allocates from that one pool,
+    shared with the other GraphSlots given it: a graph's temporaries are dead once its replay
+    ends, so the graphs of a backend need room for the largest, not for all of them. Its price:
+    a slot's outputs may lie where a later capture keeps its temporaries, so they hold only until
+    the next replay of any graph of the pool (a caller reads them, in stream order, before it
+    runs another), and every graph of the pool replays on one stream, one at a time."""
 
     def __init__(
         self,
@@ -92,8 +99,10 @@ class GraphSlots:
         capture: bool,
         warm_launches: int = 1,
         stream: torch.cuda.Stream | None = None,
+        pool: tuple | None = None,
     ):
         self.device = device
+        self.pool = pool
         self.bind, self.launch = bind, launch
         self.capture = capture and device.type == "cuda"
         self.warm_launches = warm_launches
@@ -152,7 +161,9 @@ class GraphSlots:
         graph = torch.cuda.CUDAGraph()
         try:
             # thread-local: the server's other threads may touch CUDA meanwhile
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+            ):
                 if self.launch(slot) is False:
                     raise RuntimeError("enqueue refused under capture")
         except RuntimeError as error:

@@ -147,20 +147,20 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         at_state = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
         # a pass's grid covers every row it could hold, the other launch's rows and empty ones
-        # too: they read no state (8 KB a program, most of a pass's traffic otherwise); the mask
-        # in the state's shape, as Triton's interpreter wants it
-        parents = tl.zeros([K, BV], dtype=tl.int64) + parent
+        # too: they neither read a state nor keep one (8 KB each a program: a pass's empty rows
+        # wrote 2 MB a row a layer); the mask in the state's shape, as Triton's interpreter
+        # wants it
+        length = tl.load(row_length + i_r)
         if TEXT:
-            mine = parent < 0
+            mine = (parent < 0) & (length > 0)
             source = tl.where(mine, tl.load(row_prefix + i_r), 0)
             at_source = states + source * HV * K * V
-            reading = parents < 0
         else:
             mine = parent >= 0
             at_source = slots + tl.maximum(parent, 0) * HV * K * V
-            reading = parents >= 0
+        reading = (tl.zeros([K, BV], dtype=tl.int32) + mine.to(tl.int32)) != 0
         h = tl.load(at_source + at_state, mask=reading, other=0.0)
-        count = tl.where(mine, tl.load(row_length + i_r), 0)
+        count = tl.where(mine, length, 0)
         token = start
         last = start + count - 1  # the row's last token: a load ahead never leaves the row
         first = tl.where(count > 0, start, 0)  # an empty row's start may lie past the pass
