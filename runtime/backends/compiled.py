@@ -75,8 +75,7 @@ VERSIONED = ("torch", "triton", "fla-core")  # what compiled artifacts were made
 READOUT_INPUTS = ("read_rows", "target_rows", "target_tokens", "target_slots")
 READOUT_OUTPUTS = ("hidden", "logprobs")
 # the image prefixes every captured packed pass reads (one graph a packed size, whatever the
-# batch): up to four requests' rows share a pass; a lone request's pass reads its own prefix
-# among three unread copies of it (about 70 MB a prefix on the 4b, copied in before the pass)
+# batch): up to four requests' rows share a pass (about 70 MB a prefix on the 4b)
 GRAPH_PREFIXES = 4
 # the packed pass's feeds of one row an image prefix: a stack of fewer than GRAPH_PREFIXES goes
 # into the first rows of the graph's own input buffers, the rest left as they are (no row reads
