@@ -282,19 +282,19 @@ class Executor:
         """(prefix, after prefix) states of each request's image (`ImagePrefix.states`), stacked
         where there are several (the rows read theirs by `Pass.prefix_rows` and `src`)."""
         made = [self.image_state(p, clock) for p in images]
-        slots = self.prefix_slots(len(made), images[0].clip)
+        slots = self.prefix_slots(len(made))
         if slots == 1:
             return made[0]
         made += [made[0]] * (slots - len(made))  # the first prefix again, which no row reads
         return stack_prefixes([m[0] for m in made]), stack_prefixes([m[1] for m in made])
 
-    def prefix_slots(self, count: int, clip: bool = False) -> int:
+    def prefix_slots(self, count: int) -> int:
         """The image prefixes a pass of `count` images reads. A pass's shape includes its
         prefix count, and each shape is a CUDA graph of its own: where prefix keys are fixed
         (one graph a packed size) the backend's graph reads its `prefixes` and takes fewer in
-        its first rows, so the stack is the images' own (a clip's graph reads one: its
-        CLIP_PREFIX keys four times over would be 576 MiB of K/V a pass on the 4b); elsewhere
-        counts of a power of two keep the shapes few."""
+        its first rows, so the stack is the images' own (a clip, never merged, has a graph of
+        one: its CLIP_PREFIX keys four times over would be 576 MiB of K/V a pass on the 4b);
+        elsewhere counts of a power of two keep the shapes few."""
         if self.choices.fixed_prefix_keys:
             return count
         return 1 if count == 1 else batch_bucket(count, MAX_PREFIXES)

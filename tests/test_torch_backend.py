@@ -468,7 +468,7 @@ def test_a_clip_reads_its_prefix_alone_at_a_clips_keys(engines, executor):
     assert work.prefix.input_ids.shape[1] == CLIP_PREFIX_STEP
     prefix, _ = padded.image_state(prepared, Stopwatch({}))
     assert prefix.mask.shape[1] == CLIP_PREFIX and int(prefix.mask.sum()) == work.prefix_length
-    assert padded.batch_key(prepared)[0] is None and padded.prefix_slots(1, clip=True) == 1
+    assert padded.batch_key(prepared)[0] is None and padded.prefix_slots(1) == 1
     report = compare(plain.answer(body), padded.answer(body))
     assert not report["flips"] and max(report["differences"]) <= 1e-5
 

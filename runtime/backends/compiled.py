@@ -79,7 +79,7 @@ READOUT_OUTPUTS = ("hidden", "logprobs")
 GRAPH_PREFIXES = 4
 # the packed pass's feeds of one row an image prefix: a stack of fewer than GRAPH_PREFIXES goes
 # into the first rows of the graph's own input buffers, the rest left as they are (no row reads
-# them), in place of a stack padded with copies and then copied in (560 MB a pass on the 4b)
+# them): a stack padded with copies, then copied in, would move 560 MB a pass on the 4b
 PREFIX_STACK = ("prefix_k.", "prefix_v.", "prefix_mask", "src_conv.", "src_rec.")
 
 
@@ -289,8 +289,8 @@ class TorchBackend:
         self.language.embed_tokens.weight.data = self.table[: self.vocab]
         self.functions = self.make_functions()
         # one memory pool for every captured graph: passes run one at a time on one stream, and
-        # `run` reads a pass's outputs before the next (graphs.GraphSlots); a pool a graph kept
-        # 43.9 GB reserved against 16.7 allocated on the H100 (docs/measurements/h100-2026-12-07c)
+        # `run` reads a pass's outputs before the next (graphs.GraphSlots); a pool a graph held
+        # every graph's temporaries at once, most of the device memory the worker took
         pool = torch.cuda.graph_pool_handle() if graphs else None
         self.slots = {
             graph: GraphSlots(

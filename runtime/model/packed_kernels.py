@@ -147,9 +147,8 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         at_state = i_hv * K * V + o_k[:, None] * V + o_v[None, :]
         # a pass's grid covers every row it could hold, the other launch's rows and empty ones
-        # too: they neither read a state nor keep one (8 KB each a program: a pass's empty rows
-        # wrote 2 MB a row a layer); the mask in the state's shape, as Triton's interpreter
-        # wants it
+        # too: they neither read a state nor keep one (8 KB each a program, 2 MB a row a layer);
+        # the mask in the state's shape, as Triton's interpreter wants it
         length = tl.load(row_length + i_r)
         if TEXT:
             mine = (parent < 0) & (length > 0)

@@ -23,8 +23,7 @@ ATTENTION_VARIANTS = ("std", "ort")
 # first 1 in every query and, in a key, 0 for the image's patches and PADDING_SCORE for padding,
 # so that a padding key's score is the head's scale (1/√72) × -30,000 below its own and its
 # weight an exact 0 (float32's exp is 0 past -104); the image's scores gain exact zeros. A
-# boolean mask instead sent cuDNN to its kernel with a bias: 2.46 against 1.51 ms for the
-# towers of a 1920×1080 request on the H100 (docs/measurements/h100-2026-12-07c)
+# boolean mask sends cuDNN to its slower kernel with a bias (docs/performance.md)
 KEY_COLUMNS = 8
 PADDING_SCORE = -30000.0
 
