@@ -1,5 +1,7 @@
 """Plans a prepared request's packed passes: every question's text row and option rows end to end
-in one flat token dimension, in as few passes of PACK_SIZES token slots as hold them.
+in one flat token dimension, in as few passes of PACK_SIZES token slots as hold them. The tokens
+every option block of a question begins with (`<|opt|>` at least) end its text row, computed
+once, and each option row holds the rest of its block.
 
 A row is a function of its question alone (its tokens, positions and reads), and the engine's
 arithmetic of a row never follows the pass it is in (runtime.model.packed), so any packing gives
@@ -26,7 +28,7 @@ from runtime.passes import (
     question_span,
     read_zq,
 )
-from runtime.types import Prepared
+from runtime.types import Prepared, QuestionLayout
 
 # The token slots of a packed pass, each one compiled and captured graph built before the
 # worker is ready. At least 256: below that the matrix-product libraries give a row other bytes
@@ -145,13 +147,33 @@ def empty_pass(size: int) -> PackedPass:
     )
 
 
+def shared_length(layout: QuestionLayout) -> int:
+    """The leading tokens every option block of the question shares (each block starts at the
+    same position after the same text), at most one less than the shortest block, so that each
+    option row keeps at least its close, where its u is read."""
+    blocks = [layout.token_ids[o : c + 1] for o, c in zip(layout.opens, layout.closes, strict=True)]
+    limit = min(len(block) for block in blocks) - 1
+    shared = 0
+    while shared < limit and all(block[shared] == blocks[0][shared] for block in blocks):
+        shared += 1
+    return shared
+
+
 def text_of(prepared: Prepared, qi: int, starts: list[int]) -> tuple[list[int], np.ndarray]:
-    return question_span(prepared.layouts[qi], starts[qi])
-
-
-def block_length(prepared: Prepared, qi: int, k: int) -> int:
+    """Question `qi`'s text row: its own text, then the leading tokens its options share."""
     layout = prepared.layouts[qi]
-    return layout.closes[k] + 1 - layout.opens[k]
+    ids, positions = question_span(layout, starts[qi])
+    shared_ids, shared_positions = option_span(layout, 0)
+    shared = shared_length(layout)
+    return ids + shared_ids[:shared], np.concatenate([positions, shared_positions[:, :shared]], 1)
+
+
+def option_of(prepared: Prepared, qi: int, k: int) -> tuple[list[int], np.ndarray]:
+    """Option k's row: its block past the tokens the question's options share."""
+    layout = prepared.layouts[qi]
+    ids, positions = option_span(layout, k)
+    shared = shared_length(layout)
+    return ids[shared:], positions[:, shared:]
 
 
 def pieces_of(prepared: Prepared, starts: list[int]) -> list[Piece]:
@@ -161,7 +183,7 @@ def pieces_of(prepared: Prepared, starts: list[int]) -> list[Piece]:
     for qi, layout in enumerate(prepared.layouts):
         count = len(layout.opens)
         tokens = len(text_of(prepared, qi, starts)[0])
-        tokens += sum(block_length(prepared, qi, k) for k in range(count))
+        tokens += sum(len(option_of(prepared, qi, k)[0]) for k in range(count))
         if tokens > MAX_PACK or count + 1 > rows_of(MAX_PACK):
             raise ValueError(f"question {qi}: {tokens} tokens exceeds {MAX_PACK}")
         pieces.append(Piece(qi, count, tokens))
@@ -212,9 +234,9 @@ def packed_pass(prepared: Prepared, starts: list[int], group: list[Piece]) -> Pa
     row = len(group)
     for parent, piece in enumerate(group):
         for k in range(piece.options):
-            ids, positions = option_span(prepared.layouts[piece.question], k)
+            ids, positions = option_of(prepared, piece.question, k)
             place(made, row, ids, positions, parent, owner(prepared, piece.question))
-            read_option(made, prepared, piece.question, k, row)
+            read_option(made, prepared, piece.question, k, row, parent)
             row += 1
     return made
 
@@ -235,16 +257,20 @@ def place(
 
 
 def read_text(made: PackedPass, prepared: Prepared, qi: int, row: int) -> None:
-    """A text row's readouts: zq's hidden state, and (but for Score) each option's first token's
-    log-probability there."""
-    zq = int(made.row_start[row] + made.row_length[row] - 1)
+    """A text row's readouts: zq's hidden state (its text's last token, before the options'
+    shared tokens), and (but for Score) each option's first token's log-probability there."""
+    shared = shared_length(prepared.layouts[qi])
+    zq = int(made.row_start[row] + made.row_length[row] - 1 - shared)
     made.question.members.append(qi)
     read_zq(made.question, made.read_rows, made.targets, prepared, qi, zq)
 
 
-def read_option(made: PackedPass, prepared: Prepared, qi: int, k: int, row: int) -> None:
+def read_option(
+    made: PackedPass, prepared: Prepared, qi: int, k: int, row: int, parent: int
+) -> None:
     """An option row's readouts: u's hidden state at its last token, and (but for Score) each
-    text token's log-probability at the token before it."""
+    text token's log-probability at the token before it, the block's shared tokens in its
+    text row (`parent`)."""
     start, n = int(made.row_start[row]), int(made.row_length[row])
     op = made.options
     op.members.append((qi, k))
@@ -253,7 +279,13 @@ def read_option(made: PackedPass, prepared: Prepared, qi: int, k: int, row: int)
     if prepared.layouts[qi].question.type == "score":
         op.text_reads[(qi, k)] = []
         return
-    ids = made.input_ids[start : start + n]
+    block, _ = option_span(prepared.layouts[qi], k)
+    shared = len(block) - n
+    text_end = int(made.row_start[parent] + made.row_length[parent])
+
+    def at(j: int) -> int:  # the flat index of the block's token j
+        return text_end - shared + j if j < shared else start + j - shared
+
     first = len(made.targets)
-    made.targets.extend((start + j - 1, int(ids[j])) for j in range(1, n - 1))
+    made.targets.extend((at(j - 1), int(block[j])) for j in range(1, len(block) - 1))
     op.text_reads[(qi, k)] = list(range(first, len(made.targets)))
