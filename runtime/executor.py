@@ -372,9 +372,11 @@ class Executor:
         with torch.inference_mode():
             self.backend.prepare(self.backend.vision_shapes())
             self.build_prefixes(stills, self.prefix.feature_rows(MAX_IMAGE_TOKENS))
-            # the stills' graphs read the backend's `prefixes` (`prefix_slots`)
-            every = [prepared] * self.backend.capabilities.prefixes
-            self.build_packed(self.image_states(every, Stopwatch(self.stages)))
+            # the stills' graphs read the backend's `prefixes` (`prefix_slots`): one image's
+            # states, stacked that many times
+            states = self.image_states([prepared], Stopwatch(self.stages))
+            every = self.backend.capabilities.prefixes
+            self.build_packed(tuple(stack_prefixes([state] * every) for state in states))
             longest = self.build_prefixes(clips, self.prefix.feature_rows(CLIP_PREFIX, clip=True))
             self.build_packed(longest)  # a clip's: CLIP_PREFIX keys, one prefix
             torch.cuda.synchronize(self.device)

@@ -159,31 +159,31 @@ def shared_length(layout: QuestionLayout) -> int:
     return shared
 
 
-def text_of(prepared: Prepared, qi: int, starts: list[int]) -> tuple[list[int], np.ndarray]:
-    """Question `qi`'s text row: its own text, then the leading tokens its options share."""
+def text_of(
+    prepared: Prepared, qi: int, starts: list[int], shared: int
+) -> tuple[list[int], np.ndarray]:
+    """Question `qi`'s text row: its own text, then the `shared` leading tokens of its options
+    (`shared_length`)."""
     layout = prepared.layouts[qi]
     ids, positions = question_span(layout, starts[qi])
     shared_ids, shared_positions = option_span(layout, 0)
-    shared = shared_length(layout)
     return ids + shared_ids[:shared], np.concatenate([positions, shared_positions[:, :shared]], 1)
 
 
-def option_of(prepared: Prepared, qi: int, k: int) -> tuple[list[int], np.ndarray]:
-    """Option k's row: its block past the tokens the question's options share."""
-    layout = prepared.layouts[qi]
-    ids, positions = option_span(layout, k)
-    shared = shared_length(layout)
+def option_of(prepared: Prepared, qi: int, k: int, shared: int) -> tuple[list[int], np.ndarray]:
+    """Option k's row: its block past the `shared` tokens the question's options begin with."""
+    ids, positions = option_span(prepared.layouts[qi], k)
     return ids[shared:], positions[:, shared:]
 
 
-def pieces_of(prepared: Prepared, starts: list[int]) -> list[Piece]:
+def pieces_of(prepared: Prepared, starts: list[int], shares: list[int]) -> list[Piece]:
     """Each question's text and options as one piece. The contract's 8,192 tokens a question
     (its image prefix included) keep every piece within the largest pass."""
     pieces = []
     for qi, layout in enumerate(prepared.layouts):
         count = len(layout.opens)
-        tokens = len(text_of(prepared, qi, starts)[0])
-        tokens += sum(len(option_of(prepared, qi, k)[0]) for k in range(count))
+        blocks = sum(c + 1 - o for o, c in zip(layout.opens, layout.closes, strict=True))
+        tokens = len(question_span(layout, starts[qi])[0]) + blocks - (count - 1) * shares[qi]
         if tokens > MAX_PACK or count + 1 > rows_of(MAX_PACK):
             raise ValueError(f"question {qi}: {tokens} tokens exceeds {MAX_PACK}")
         pieces.append(Piece(qi, count, tokens))
@@ -217,24 +217,28 @@ def plan(prepared: Prepared) -> PackedPlan:
     row reads its own request's image prefix, `Prepared.owners`)."""
     prefix, n = plan_prefix(prepared)
     starts = prefix_starts(prepared)
-    groups = groups_of(pieces_of(prepared, starts))
-    return PackedPlan(prefix, n, [packed_pass(prepared, starts, group) for group in groups])
+    shares = [shared_length(layout) for layout in prepared.layouts]  # once a question
+    groups = groups_of(pieces_of(prepared, starts, shares))
+    return PackedPlan(prefix, n, [packed_pass(prepared, starts, shares, g) for g in groups])
 
 
-def packed_pass(prepared: Prepared, starts: list[int], group: list[Piece]) -> PackedPass:
+def packed_pass(
+    prepared: Prepared, starts: list[int], shares: list[int], group: list[Piece]
+) -> PackedPass:
     """The pass of `group`'s questions: their text rows first (in order), then their option
     rows."""
     tokens = sum(p.tokens for p in group)
     rows = sum(1 + p.options for p in group)
     made = empty_pass(pack_size(tokens, rows))
     for row, piece in enumerate(group):
-        ids, positions = text_of(prepared, piece.question, starts)
-        place(made, row, ids, positions, -1, owner(prepared, piece.question))
-        read_text(made, prepared, piece.question, row)
+        qi = piece.question
+        ids, positions = text_of(prepared, qi, starts, shares[qi])
+        place(made, row, ids, positions, -1, owner(prepared, qi))
+        read_text(made, prepared, qi, row, shares[qi])
     row = len(group)
     for parent, piece in enumerate(group):
         for k in range(piece.options):
-            ids, positions = option_of(prepared, piece.question, k)
+            ids, positions = option_of(prepared, piece.question, k, shares[piece.question])
             place(made, row, ids, positions, parent, owner(prepared, piece.question))
             read_option(made, prepared, piece.question, k, row, parent)
             row += 1
@@ -256,10 +260,9 @@ def place(
     made.used += n
 
 
-def read_text(made: PackedPass, prepared: Prepared, qi: int, row: int) -> None:
+def read_text(made: PackedPass, prepared: Prepared, qi: int, row: int, shared: int) -> None:
     """A text row's readouts: zq's hidden state (its text's last token, before the options'
-    shared tokens), and (but for Score) each option's first token's log-probability there."""
-    shared = shared_length(prepared.layouts[qi])
+    `shared` tokens), and (but for Score) each option's first token's log-probability there."""
     zq = int(made.row_start[row] + made.row_length[row] - 1 - shared)
     made.question.members.append(qi)
     read_zq(made.question, made.read_rows, made.targets, prepared, qi, zq)
