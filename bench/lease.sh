@@ -34,7 +34,7 @@ py() { PYTHONPATH=/tmp/site:/tmp/fla:. timeout "$@"; }  # SECONDS, then the modu
 case $call in
   1)
     CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
-    VIDEO=1 RESTART=1 CLIENTS=1,16,64 CLIENT_REQUESTS=200 timeout $(($(left) - 60)) \
+    VIDEO=1 RESTART=1 CLIENTS=1,16,64 CLIENT_REQUESTS=${CLIENT_REQUESTS:-200} timeout $(($(left) - 60)) \
       bash bench/serve_ab.sh . new "$work"
     stop_workers
     # one client with every request alone, against the run above's one client (issue 47)

@@ -33,7 +33,7 @@ STAGES = ("prepare", "queue_wait", "execute", "total")
 # seconds; one question takes ~0.16 s and a 16-deep queue of 255-option requests minutes
 # (docs/anchors.md §2, docs/contract.md §1.6)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-BATCH_BUCKETS = (1, 2, 4, 8, 16)  # requests a batch: at most the 16 admitted
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48)  # requests a batch: at most the 48 admitted
 QUIET_PATHS = ("/health", "/metrics")  # probes: logged at debug level only
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -67,7 +67,7 @@ KEY_SPAN = 64 * 1024
 # the replica, and a decision changes nothing, so sending it again is safe
 RETRIES = 1
 # requests waiting in the ingress's router for a replica slot; beyond them the answer is the
-# worker's own 503 busy with Retry-After, as one worker answers past its 16 admitted
+# worker's own 503 busy with Retry-After, as one worker answers past its ADMITTED
 QUEUED = ADMITTED
 INGRESS_ONGOING = 256  # requests the ingress forwards at once (it only reads and forwards)
 SCRAPE_S = 10.0  # a replica's /metrics within this, else it is left out of the scrape

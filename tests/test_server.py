@@ -21,6 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.admission import ADMITTED
 from server.app import MAX_BODY
 from tests.server_helpers import (
     FAIL,
@@ -393,36 +394,36 @@ def test_metrics_count_requests_stages_admission_and_tokens() -> None:
 # -- admission --------------------------------------------------------------------------------
 
 
-def test_24_simultaneous_requests_give_16_answers_and_8_busy() -> None:
+def test_8_requests_past_the_admitted_get_503_busy() -> None:
     engine = RealishEngine(hold_execute=True)
-    with ThreadPoolExecutor(24) as pool, ThreadServer(engine) as server:
+    with ThreadPoolExecutor(ADMITTED + 8) as pool, ThreadServer(engine) as server:
         wait_ready(server.url)
         body = decision()
-        futures = [pool.submit(post, server.url, body) for _ in range(24)]
+        futures = [pool.submit(post, server.url, body) for _ in range(ADMITTED + 8)]
         until(lambda: sum(f.done() for f in futures) == 8, "8 refusals")
-        assert admitted(server.url) == 16
+        assert admitted(server.url) == ADMITTED
         # the JSON check comes before admission, so a malformed body still gets its 400
         assert (
             httpx.post(server.url + DECIDE, headers=JSON_HEADERS, content=b"{,}").status_code == 400
         )
         busy = [f.result() for f in futures if f.done()]
-        engine.release(executes=16)
+        engine.release(executes=ADMITTED)
         responses = [f.result() for f in futures]
-    assert sorted(r.status_code for r in responses) == [200] * 16 + [503] * 8
+    assert sorted(r.status_code for r in responses) == [200] * ADMITTED + [503] * 8
     for response in busy:
         assert (response.status_code, response.json()) == (503, BUSY)
         assert response.headers["retry-after"] == "1"
         assert_new_id(response)
-    assert engine.finished == 1 + 16  # the warm-up, then every admitted request
+    assert engine.finished == 1 + ADMITTED  # the warm-up, then every admitted request
     assert engine.most_running == 1
 
 
-def test_a_large_body_while_16_are_admitted_gets_503_before_it_is_sent() -> None:
+def test_a_large_body_while_the_admitted_are_full_gets_503_before_it_is_sent() -> None:
     engine = RealishEngine(hold_execute=True)
-    with ThreadPoolExecutor(16) as pool, ThreadServer(engine) as server:
+    with ThreadPoolExecutor(ADMITTED) as pool, ThreadServer(engine) as server:
         wait_ready(server.url)
-        futures = [pool.submit(post, server.url, decision()) for _ in range(16)]
-        until(lambda: admitted(server.url) == 16, "16 admitted")
+        futures = [pool.submit(post, server.url, decision()) for _ in range(ADMITTED)]
+        until(lambda: admitted(server.url) == ADMITTED, "the admitted full")
         host, port = server.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
             # a large body's first byte only: read, it could never be parsed before the deadline
@@ -438,9 +439,9 @@ def test_a_large_body_while_16_are_admitted_gets_503_before_it_is_sent() -> None
             length = int(re.search(rb"(?i)content-length: (\d+)", head)[1])
             while len(body) < length:
                 body += sock.recv(65536)
-        assert admitted(server.url) == 16
-        engine.release(executes=16)
-        assert [f.result().status_code for f in futures] == [200] * 16
+        assert admitted(server.url) == ADMITTED
+        engine.release(executes=ADMITTED)
+        assert [f.result().status_code for f in futures] == [200] * ADMITTED
     assert head.startswith(b"HTTP/1.1 503") and re.search(rb"(?i)retry-after: 1", head)
     assert json.loads(body) == BUSY
 
@@ -467,23 +468,23 @@ def test_a_running_request_keeps_its_slot_after_its_client_leaves(
     requests_log: Callable[[], list[dict]],
 ) -> None:
     engine = RealishEngine(hold_execute=True)
-    with ThreadPoolExecutor(16) as pool, ThreadServer(engine) as server:
+    with ThreadPoolExecutor(ADMITTED) as pool, ThreadServer(engine) as server:
         wait_ready(server.url)
         leaver = raw_post(server.url, json.dumps(decision()).encode())
         until(lambda: engine.started == 2, "the first request to execute")
-        others = [pool.submit(post, server.url, decision()) for _ in range(15)]
-        until(lambda: admitted(server.url) == 16, "16 admitted")
+        others = [pool.submit(post, server.url, decision()) for _ in range(ADMITTED - 1)]
+        until(lambda: admitted(server.url) == ADMITTED, "the admitted full")
         leaver.close()
         time.sleep(0.3)  # ample for the server to see the connection close on loopback
         for _ in range(3):
             assert post(server.url, decision()).json() == BUSY
-        assert admitted(server.url) == 16
+        assert admitted(server.url) == ADMITTED
         engine.release(executes=1)  # only the running request, whose client has gone
-        until(lambda: admitted(server.url) == 15, "the running request to end")
+        until(lambda: admitted(server.url) == ADMITTED - 1, "the running request to end")
         late: Future[httpx.Response] = pool.submit(post, server.url, decision())
-        until(lambda: admitted(server.url) == 16, "the 17th request to be admitted")
-        engine.release(executes=16)
-        assert [f.result().status_code for f in [*others, late]] == [200] * 16
+        until(lambda: admitted(server.url) == ADMITTED, "one more request to be admitted")
+        engine.release(executes=ADMITTED)
+        assert [f.result().status_code for f in [*others, late]] == [200] * ADMITTED
     gone = [line for line in requests_log() if line.get("outcome") == "client gone"]
     assert len(gone) == 1 and gone[0]["status"] == 200 and gone[0]["execute_s"] > 0
 
