@@ -63,7 +63,9 @@ DECODER_THREADS = 1  # a request decodes on its preparation thread, beside anoth
 # where /dev/shm cannot hold the largest clip's frames (a container's default is 64 MB), the
 # temporary directory takes them
 SHARED_MEMORY = Path("/dev/shm")
-LARGEST_FRAMES = MAX_FRAMES * MAX_FRAME_PIXELS * 3
+# a mapped file's frames hold their pages until the request is done with them, and two requests
+# prepare at once (the worker's preparation slots): room for two of the largest clips' frames
+LARGEST_FRAMES = 2 * MAX_FRAMES * MAX_FRAME_PIXELS * 3
 MOSAIC_FIELDS = ("n_frames", "cols", "tile", "timestamps", "duration")
 MP4_MAGIC_AT, MP4_MAGIC = 4, b"ftyp"  # ISO BMFF's first box
 WEBM_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header

@@ -67,8 +67,8 @@ MAX_BODY = 12 * 1024 * 1024  # docs/contract.md §1.4: 12,582,912 bytes
 DRAIN_LIMIT = 64 * 1024 * 1024
 REQUEST_ID_MAX = 128  # longer client ids are replaced (docs/anchors.md §8: request ids)
 RETRY_AFTER = {"Retry-After": "1"}  # docs/contract.md §1.5
-# admitted work finishes before a SIGTERM'd worker exits; 16 requests of 255 options take minutes
-# (docs/contract.md §1.6: 40.6 s median with 8 clients)
+# admitted work finishes before a SIGTERM'd worker exits; the reference's 16 requests of 255
+# options took minutes (docs/contract.md §1.6: 40.6 s median with 8 clients)
 GRACEFUL_SHUTDOWN_S = 300
 # warm-up rounds once the fixed-shape sessions built during the first have settled: ONNX
 # Runtime runs a pass before it captures its CUDA graph, and replays from the next

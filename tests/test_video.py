@@ -150,6 +150,10 @@ def test_the_frames_come_back_through_a_file_that_is_removed_whatever_the_end() 
     file = video.video_file(video_url(data, mime))
     frames = video.decode_file(file)
     assert [f.shape for f in frames.frames] == [(32, 48, 3)] * 3
+    # the frames are a mapping of the removed file: the pixels the decoder made, and writable
+    alone = video.decode_frames(file)
+    for mapped, decoded in zip(frames.frames, alone.frames, strict=True):
+        assert np.array_equal(mapped, decoded) and mapped.flags.writeable
     with pytest.raises(ContractError):
         video.decode_file(file, seconds=0, slack=0)
     with pytest.raises(ContractError):
