@@ -21,12 +21,12 @@ RETRIES = 30  # a 503's Retry-After honoured, as the SDKs do
 
 
 @contextlib.contextmanager
-def served(engine) -> Iterator[str]:
-    """The worker's app (warm-up included) on a free loopback port in a thread: its URL once
-    /health answers 200."""
+def served(engine, admitted: int | None = None) -> Iterator[str]:
+    """The worker's app (warm-up included; `admitted`: its limit, else the worker's) on a free
+    loopback port in a thread: its URL once /health answers 200."""
     from server.app import ListeningServer, bind, create_app, worker_config
 
-    app = create_app(engine)
+    app = create_app(engine) if admitted is None else create_app(engine, admitted=admitted)
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     config = worker_config(app, lifespan="on", log_level="warning")

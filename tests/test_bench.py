@@ -400,3 +400,24 @@ def test_the_bench_client_counts_parse(text, counts):
     for bad in ("a", "1,-4", "0,4"):
         with pytest.raises(argparse.ArgumentTypeError, match="client counts"):
             client_counts(bad)
+
+
+def test_the_admission_bench_serves_every_request_at_each_limit_and_client_count(
+    tmp_path_factory, capsys
+):
+    """`python -m bench.admission`: the worker admitting each limit in turn, every request
+    served at each client count (a refused one retried after its Retry-After); a row each."""
+    from bench import admission
+
+    checkpoint, engines = tiny_engines(tmp_path_factory)
+    out = tmp_path_factory.mktemp("admission") / "admission.json"
+    argv = ["--checkpoint", str(checkpoint), "--engines", str(engines), "--backend", "torch"]
+    argv += ["--admitted", "1,8", "--clients", "1,4", "--requests", "6", "--image-size", "160x120"]
+    assert admission.main([*argv, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["admitted"], r["clients"]) for r in rows] == [(1, 1), (1, 4), (8, 1), (8, 4)]
+    assert all(r["ok"] == r["requests"] == 6 for r in rows)
+    assert rows[0]["retries"] == 0 and rows[1]["retries"] > 0  # 4 clients, 1 admitted
+    assert capsys.readouterr().out.count("| 8 | 4 | 6/6 |") == 1
+    with pytest.raises(SystemExit):
+        admission.main([*argv[:4], "--admitted", "0,16"])
