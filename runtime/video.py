@@ -52,6 +52,10 @@ DECODE_SECONDS = 10.0  # the whole decode, checked between frames
 # a file decodes in a Python process of its own (`decoder_main`, ~0.2 s to start, so the next
 # one is started while a request decodes): a fork of the worker would copy its threads' locks,
 # and a forkserver that imported the worker's main module (torch) takes ~1 s a fork
+# processes started ahead, one a request that prepares at once (the worker's preparation slots):
+# with one, the second of two clips at once waited for a process to start (the slower of two
+# 342-421 ms against 245-322 with two, on this project's 2-core CPU machine)
+DECODER_SPARES = 2
 DECODER_SLACK = 2.0  # the process's start and the frames' way back, past DECODE_SECONDS
 # the decoder's address space: 16 frames of 4096×2048 RGB, FFmpeg's reference frames at the
 # frame limit, and Python, NumPy and PyAV themselves, with room to spare
@@ -355,25 +359,29 @@ def start_decoder(python: str = sys.executable) -> subprocess.Popen:
 
 
 class Decoders:
-    """One decoder process started ahead of the next clip; each decodes one file and exits."""
+    """`count` decoder processes started ahead of the next clips; each decodes one file and
+    exits, and the one taken is replaced at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = DECODER_SPARES) -> None:
         self.lock = threading.Lock()
-        self.spare: subprocess.Popen | None = None
+        self.count = count
+        self.spares: list[subprocess.Popen] = []
 
     def ready(self) -> None:
-        """Starts the spare where there is none (the worker, before it reports ready)."""
+        """Starts spares until `count` are alive (the worker, before it reports ready)."""
         with self.lock:
-            if self.spare is None or self.spare.poll() is not None:
-                self.spare = start_decoder()
+            self.spares = [spare for spare in self.spares if spare.poll() is None]
+            while len(self.spares) < self.count:
+                self.spares.append(start_decoder())
 
     def take(self) -> subprocess.Popen:
-        """The spare (a new one where it died or none was started), and the next one started."""
+        """The oldest spare still alive (a new process where none is), the spares started
+        again up to `count`."""
         with self.lock:
-            taken, self.spare = self.spare, start_decoder()
-        if taken is None or taken.poll() is not None:
-            taken = start_decoder()
-        return taken
+            alive = [spare for spare in self.spares if spare.poll() is None]
+            taken = alive.pop(0) if alive else None
+            self.spares = alive + [start_decoder() for _ in range(self.count - len(alive))]
+        return taken if taken is not None else start_decoder()
 
 
 DECODERS = Decoders()

@@ -120,16 +120,18 @@ def test_a_decoder_that_dies_is_an_invalid_video() -> None:
         video.decode_file(file, python="/bin/false")
 
 
-def test_a_spare_decoder_decodes_the_next_file_and_ends_with_the_worker() -> None:
-    """A request takes the started spare and starts the next; a spare whose stdin closes (the
-    worker ended) exits cleanly; each process decodes one file."""
+def test_spare_decoders_decode_the_next_files_and_end_with_the_worker() -> None:
+    """A request takes the oldest started spare and starts its replacement, so that as many
+    spares wait as requests prepare at once; a spare whose stdin closes (the worker ended)
+    exits cleanly; each process decodes one file."""
     data, mime = clip(4, 48, 32)
     file = video.video_file(video_url(data, mime))
     first = video.decode_file(file)
-    spare = video.DECODERS.spare
-    assert spare is not None and spare.poll() is None
+    spares = list(video.DECODERS.spares)
+    assert len(spares) == video.DECODER_SPARES and all(s.poll() is None for s in spares)
     second = video.decode_file(file)
-    assert spare.poll() is not None and video.DECODERS.spare is not spare
+    assert spares[0].poll() is not None and spares[0] not in video.DECODERS.spares
+    assert video.DECODERS.spares[0] is spares[1] and len(video.DECODERS.spares) == 2
     assert all(np.array_equal(a, b) for a, b in zip(first.frames, second.frames, strict=True))
     assert first.most_pixels == video.clip_pixels(4)
     idle = video.start_decoder()
