@@ -13,6 +13,7 @@ import httpx
 
 from bench import traffic
 from bench.load import differing_answers, run_load
+from server.admission import ADMITTED
 
 CLIENTS = (1, 4, 16)
 REQUESTS = 64  # suite requests a client count
@@ -21,12 +22,12 @@ RETRIES = 30  # a 503's Retry-After honoured, as the SDKs do
 
 
 @contextlib.contextmanager
-def served(engine, admitted: int | None = None) -> Iterator[str]:
-    """The worker's app (warm-up included; `admitted`: its limit, else the worker's) on a free
-    loopback port in a thread: its URL once /health answers 200."""
+def served(engine, admitted: int = ADMITTED) -> Iterator[str]:
+    """The worker's app (warm-up included), admitting `admitted`, on a free loopback port in a
+    thread: its URL once /health answers 200."""
     from server.app import ListeningServer, bind, create_app, worker_config
 
-    app = create_app(engine) if admitted is None else create_app(engine, admitted=admitted)
+    app = create_app(engine, admitted=admitted)
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     config = worker_config(app, lifespan="on", log_level="warning")

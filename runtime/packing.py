@@ -170,12 +170,6 @@ def text_of(
     return ids + shared_ids[:shared], np.concatenate([positions, shared_positions[:, :shared]], 1)
 
 
-def option_of(prepared: Prepared, qi: int, k: int, shared: int) -> tuple[list[int], np.ndarray]:
-    """Option k's row: its block past the `shared` tokens the question's options begin with."""
-    ids, positions = option_span(prepared.layouts[qi], k)
-    return ids[shared:], positions[:, shared:]
-
-
 def pieces_of(prepared: Prepared, starts: list[int], shares: list[int]) -> list[Piece]:
     """Each question's text and options as one piece. The contract's 8,192 tokens a question
     (its image prefix included) keep every piece within the largest pass."""
@@ -237,10 +231,12 @@ def packed_pass(
         read_text(made, prepared, qi, row, shares[qi])
     row = len(group)
     for parent, piece in enumerate(group):
+        qi, shared = piece.question, shares[piece.question]
         for k in range(piece.options):
-            ids, positions = option_of(prepared, piece.question, k, shares[piece.question])
-            place(made, row, ids, positions, parent, owner(prepared, piece.question))
-            read_option(made, prepared, piece.question, k, row, parent)
+            # the row holds the block past the tokens the question's options begin with
+            block, positions = option_span(prepared.layouts[qi], k)
+            place(made, row, block[shared:], positions[:, shared:], parent, owner(prepared, qi))
+            read_option(made, prepared, qi, k, row, parent, block)
             row += 1
     return made
 
@@ -269,11 +265,11 @@ def read_text(made: PackedPass, prepared: Prepared, qi: int, row: int, shared: i
 
 
 def read_option(
-    made: PackedPass, prepared: Prepared, qi: int, k: int, row: int, parent: int
+    made: PackedPass, prepared: Prepared, qi: int, k: int, row: int, parent: int, block: list[int]
 ) -> None:
     """An option row's readouts: u's hidden state at its last token, and (but for Score) each
-    text token's log-probability at the token before it, the block's shared tokens in its
-    text row (`parent`)."""
+    text token of its `block` (`option_span`) read at the token before it, the block's shared
+    tokens in its text row (`parent`)."""
     start, n = int(made.row_start[row]), int(made.row_length[row])
     op = made.options
     op.members.append((qi, k))
@@ -282,7 +278,6 @@ def read_option(
     if prepared.layouts[qi].question.type == "score":
         op.text_reads[(qi, k)] = []
         return
-    block, _ = option_span(prepared.layouts[qi], k)
     shared = len(block) - n
     text_end = int(made.row_start[parent] + made.row_length[parent])
 

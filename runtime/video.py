@@ -371,18 +371,20 @@ class Decoders:
     def ready(self) -> None:
         """Starts spares until `count` are alive (the worker, before it reports ready)."""
         with self.lock:
-            self.spares = [spare for spare in self.spares if spare.poll() is None]
-            while len(self.spares) < self.count:
-                self.spares.append(start_decoder())
+            self.fill()
 
     def take(self) -> subprocess.Popen:
-        """The oldest spare still alive (a new process where none is), the spares started
-        again up to `count`."""
+        """The oldest spare still alive (a new one where none was), replaced at once."""
         with self.lock:
-            alive = [spare for spare in self.spares if spare.poll() is None]
-            taken = alive.pop(0) if alive else None
-            self.spares = alive + [start_decoder() for _ in range(self.count - len(alive))]
-        return taken if taken is not None else start_decoder()
+            self.fill()
+            taken = self.spares.pop(0)
+            self.fill()
+        return taken
+
+    def fill(self) -> None:
+        """Drops the spares that died and starts new ones up to `count` (the lock held)."""
+        self.spares = [spare for spare in self.spares if spare.poll() is None]
+        self.spares += [start_decoder() for _ in range(self.count - len(self.spares))]
 
 
 DECODERS = Decoders()
