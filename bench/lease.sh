@@ -9,7 +9,8 @@
 #      the same way, without clips or 64 clients; this tree in process (`bench.packed_check`:
 #      every question alone against its request, the stage and kernel profiles); `omnijev
 #      bench`'s six workloads in this tree then the baseline;
-#   3: BF16 parity beside the BF16 reference's own distance to float32, the reference's time on
+#   3: BF16 parity beside the BF16 reference's own distance to float32 (the four stills and
+#      MORE_IMAGES seeded ones, 12 by default: 320 answers), the reference's time on
 #      the suite's 12-question requests, `bench.blas_rows` on cards other than the H100, and
 #      the baseline's kernel profile.
 # Carry .gpu-wheels and .before:
@@ -57,7 +58,7 @@ case $call in
   3)
     py $(($(left) * 3 / 5)) python3 -m runtime.cli parity --checkpoint "$ck" \
       --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
-      --out "$work/parity.json" > "$work/parity.log" 2>&1
+      --more-images "${MORE_IMAGES:-12}" --out "$work/parity.json" > "$work/parity.log" 2>&1
     py $(($(left) * 2 / 3)) python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
       --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
     grep -q H100 "$work/card.txt" || py 100 python3 -m bench.blas_rows --out "$work/blas-rows.json" \

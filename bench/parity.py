@@ -64,11 +64,24 @@ def progress(done: int, total: int, what: str, started: float) -> None:
     print(f"  {what}: {done}/{total} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
 
 
-def parity(executor, reference, sets: dict[str, dict[str, dict]]) -> dict:
+class Remembered:
+    """A reference that answers each body once: its answers serve every comparison after."""
+
+    def __init__(self, reference):
+        self.reference, self.answers = reference, {}
+
+    def answer(self, body: bytes) -> dict:
+        if body not in self.answers:
+            self.answers[body] = self.reference.answer(body)
+        return self.answers[body]
+
+
+def parity(executor, reference, sets: dict[str, dict[str, dict]], more: int = 0) -> dict:
     """`executor`'s answers against `reference`'s (anything with `answer(body) -> dict`) on
-    every parity still and question set: the differences' quantiles and every flip."""
+    every parity still (`more`: seeded stills beside the four) and question set: the
+    differences' quantiles and every flip."""
     results, differences, flips, token_mismatches = [], [], [], 0
-    images, started = parity_images(), time.perf_counter()
+    images, started = parity_images(more), time.perf_counter()
     total = len(images) * len(sets)
     for name, image, mime in images:
         for set_name, questions in sets.items():
@@ -93,6 +106,19 @@ def parity(executor, reference, sets: dict[str, dict[str, dict]]) -> dict:
     return {"summary": summary, "flips": flips, "runs": results}
 
 
+def paired(engine: dict, low: dict) -> dict:
+    """Answer by answer, whether the engine or the BF16 reference lies nearer the float32 one
+    (the two `parity` reports of the same requests): near equal shares say the engine's larger
+    distance is chance, a lopsided one that it has a cause."""
+    ours = [d for run in engine["runs"] for d in run["differences"]]
+    theirs = [d for run in low["runs"] for d in run["differences"]]
+    return {
+        "answers": len(ours),
+        "engine_nearer": sum(a < b for a, b in zip(ours, theirs, strict=True)),
+        "reference_nearer": sum(a > b for a, b in zip(ours, theirs, strict=True)),
+    }
+
+
 def parity_table(report: dict) -> str:
     s = report["summary"]
     lines = [
@@ -111,16 +137,22 @@ def cli_parity(args) -> int:
     from runtime.executor import load_engine
 
     executor = load_engine(args.checkpoint, args.engines, RuntimeConfig.from_args(args))
-    reference = Reference(args.checkpoint, dtype="float32", device=args.device)
-    report = parity(executor, reference, question_sets())
+    reference = Remembered(Reference(args.checkpoint, dtype="float32", device=args.device))
+    report = parity(executor, reference, question_sets(), args.more_images)
     if args.bf16_reference:
         # the bar for a BF16 engine: how far the reference itself moves in BF16
         low = Reference(args.checkpoint, dtype="bfloat16", device=args.device)
-        report["bf16_reference"] = parity(low, reference, question_sets())
+        report["bf16_reference"] = parity(low, reference, question_sets(), args.more_images)
+        report["paired"] = paired(report, report["bf16_reference"])
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(parity_table(report))
     if args.bf16_reference:
         print("the BF16 reference against the float32 one:")
         print(parity_table(report["bf16_reference"]))
+        pairs = report["paired"]
+        print(
+            f"answer by answer: the engine nearer float32 in {pairs['engine_nearer']} of "
+            f"{pairs['answers']}, the BF16 reference in {pairs['reference_nearer']}"
+        )
     return 0

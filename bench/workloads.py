@@ -9,6 +9,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 BENCH_SIZE = (1600, 900)  # the latency still of docs/contract.md §12.2
+# the sizes of parity's further stills: common screens and photos, landscape and portrait
+MORE_SIZES = ((1920, 1080), (1280, 720), (800, 1200), (1024, 768), (2560, 1440), (720, 1280))
 OPTIONS_255 = 255  # the largest Choice the contract allows
 HOST_WORKLOADS = ("1 question", "12 questions", "255 options")  # the host profile's requests
 HOST_FORMATS = (("PNG", "image/png"), ("JPEG", "image/jpeg"))
@@ -65,15 +67,27 @@ def photo_image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
 
 
-def parity_images() -> list[tuple[str, bytes, str]]:
-    """Four different stills, PNG and JPEG: (name, bytes, mime)."""
+def parity_images(more: int = 0) -> list[tuple[str, bytes, str]]:
+    """Four different stills, PNG and JPEG: (name, bytes, mime); `more` seeded ones after them,
+    screens as PNG and photos as JPEG in turn, at the sizes of MORE_SIZES in turn."""
     w, h = BENCH_SIZE
-    return [
+    images = [
         ("screen.png", encode(screen_image(w, h, 1), "PNG"), "image/png"),
         ("screen.jpg", encode(screen_image(w, h, 1), "JPEG"), "image/jpeg"),
         ("photo.jpg", encode(photo_image(1280, 720, 2), "JPEG"), "image/jpeg"),
         ("pattern.png", encode(pattern_image(640, 480), "PNG"), "image/png"),
     ]
+    for index in range(more):
+        size, seed = MORE_SIZES[index % len(MORE_SIZES)], 10 + index
+        if index % 2:
+            images.append(
+                (f"photo-{seed}.jpg", encode(photo_image(*size, seed), "JPEG"), "image/jpeg")
+            )
+        else:
+            images.append(
+                (f"screen-{seed}.png", encode(screen_image(*size, seed), "PNG"), "image/png")
+            )
+    return images
 
 
 def choice_with(options: int) -> dict[str, dict]:

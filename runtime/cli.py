@@ -111,6 +111,12 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
             action="store_true",
             help="also the BF16 reference's distance to the float32 one (the bar for BF16)",
         )
+        parser.add_argument(
+            "--more-images",
+            type=int,
+            default=0,
+            help="seeded stills beside the four (more answers: chance told from cause in BF16)",
+        )
     if name == "bench":
         parser.add_argument(
             "--host-only", action="store_true", help="the host stages alone, without engines"

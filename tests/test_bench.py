@@ -4,6 +4,7 @@ the CPU end to end."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import statistics
@@ -421,3 +422,32 @@ def test_the_admission_bench_serves_every_request_at_each_limit_and_client_count
     assert capsys.readouterr().out.count("| 8 | 4 | 6/6 |") == 1
     with pytest.raises(SystemExit):
         admission.main([*argv[:4], "--admitted", "0,16"])
+
+
+def test_parity_adds_seeded_stills_and_counts_which_side_lies_nearer_float32():
+    from PIL import Image
+
+    from bench.parity import Remembered, paired
+    from bench.workloads import parity_images
+
+    images = parity_images(3)
+    assert [name for name, _, _ in images[:4]] == [name for name, _, _ in parity_images()]
+    assert len({name for name, _, _ in images}) == len({data for _, data, _ in images}) == 7
+    for name, data, mime in images[4:]:
+        with Image.open(io.BytesIO(data)) as image:
+            assert image.format.lower() in mime and image.size[0] >= 720, name
+
+    class Counting:
+        calls = 0
+
+        def answer(self, body: bytes) -> dict:
+            Counting.calls += 1
+            return {"body": body.decode()}
+
+    remembered = Remembered(Counting())
+    assert remembered.answer(b"a") == remembered.answer(b"a") == {"body": "a"}
+    assert remembered.answer(b"b") == {"body": "b"} and Counting.calls == 2
+
+    engine = {"runs": [{"differences": [0.1, 0.2]}, {"differences": [0.0]}]}
+    low = {"runs": [{"differences": [0.3, 0.1]}, {"differences": [0.0]}]}
+    assert paired(engine, low) == {"answers": 3, "engine_nearer": 1, "reference_nearer": 1}

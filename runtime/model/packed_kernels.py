@@ -1,6 +1,7 @@
-"""The token-packed pass's attention and Gated DeltaNet recurrence on CUDA: one Triton program per
-row (and head), reading the row tables on the device, as PyTorch custom ops that `torch.compile`
-and CUDA graphs keep (runtime.model.packed gives the eager forms these follow)."""
+"""The token-packed pass's attention and Gated DeltaNet recurrence on CUDA: Triton programs of one
+query tile (attention) or one row (recurrence) and head, reading the row tables on the device, as
+PyTorch custom ops that `torch.compile` and CUDA graphs keep (runtime.model.packed gives the eager
+forms these follow)."""
 
 from __future__ import annotations
 
@@ -73,16 +74,31 @@ if triton is not None:
     @triton.jit
     def _packed_attention_kernel(
         q, k, v, prefix_k, prefix_v, prefix_mask, row_start, row_length, row_parent, row_prefix,
-        out, scale, P, sq_n, sq_h, sk_n, sk_h, sp_r, sp_h, sp_n, so_n,
+        tile_ends, rows, out, scale, P, sq_n, sq_h, sk_n, sk_h, sp_r, sp_h, sp_n, so_n,
         G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """One program: one row, one KV head, the row's query tiles of BM folded rows in turn,
-        each over its prefix's keys, its parent's and its own up to the tile's last token."""
-        i_r = tl.program_id(0)
+        """One program: one query tile of BM folded rows of one row and one KV head, over its
+        prefix's keys, its parent's and its own up to the tile's last token. `tile_ends`: each
+        row's tiles counted up to and including it (int64 [rows]); programs past the last tile
+        do nothing."""
+        i_p = tl.program_id(0)
         i_kvh = tl.program_id(1)
-        start = tl.load(row_start + i_r)
+        # the row of tile i_p: the first whose count of tiles so far passes it
+        low = 0
+        high = rows
+        while low < high:
+            middle = (low + high) // 2
+            if tl.load(tile_ends + middle) > i_p:
+                high = middle
+            else:
+                low = middle + 1
+        i_r = tl.minimum(low, rows - 1)
         length = tl.load(row_length + i_r)
+        first_tile = tl.load(tile_ends + i_r) - tl.cdiv(G * length, BM)
+        tile = i_p - first_tile
+        tiles = tl.where(low < rows, 1, 0)
+        start = tl.load(row_start + i_r)
         parent = tl.load(row_parent + i_r)
         prefix = tl.load(row_prefix + i_r)
         safe_parent = tl.maximum(parent, 0)
@@ -93,7 +109,7 @@ if triton is not None:
         own = start * sk_n + i_kvh * sk_h
         seen = prefix_mask + prefix * P
         o_d = tl.arange(0, D)
-        for tile in range(0, tl.cdiv(G * length, BM)):  # none for an empty row
+        for _ in range(0, tiles):  # none past the last tile
             o_f = tile * BM + tl.arange(0, BM)
             row_ok = o_f < G * length
             o_t = tl.where(row_ok, o_f // G, 0)
@@ -253,13 +269,20 @@ def packed_attention_op(
     k, v = same_strides(k, v)
     prefix_k, prefix_v = same_strides(prefix_k, prefix_v)
     out = v.new_zeros(n, heads * hd)
-    grid = (row_start.shape[0] - 1, kv_heads)
+    group, rows = heads // kv_heads, row_start.shape[0]
+    tile_ends = torch.cumsum(
+        torch.div(group * row_length + QUERY_ROWS - 1, QUERY_ROWS, rounding_mode="floor"), 0
+    )
+    # a grid of every tile the pass could hold (rows share no token: at most its folded rows'
+    # tiles, and one more a row for each row's partial tile), those past the last doing nothing
+    grid = (-(-group * n // QUERY_ROWS) + rows, kv_heads)
     _packed_attention_kernel[grid](
         q, k, v, prefix_k, prefix_v, prefix_mask.contiguous(), row_start.contiguous(),
-        row_length.contiguous(), row_parent.contiguous(), row_prefix.contiguous(), out, scale, p,
+        row_length.contiguous(), row_parent.contiguous(), row_prefix.contiguous(), tile_ends,
+        rows, out, scale, p,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_k.stride(2), out.stride(0),
-        G=heads // kv_heads, D=hd, BM=QUERY_ROWS, BN=KEYS_STEP, PRECISION=dot_precision(q),
+        G=group, D=hd, BM=QUERY_ROWS, BN=KEYS_STEP, PRECISION=dot_precision(q),
         num_warps=ATTENTION_WARPS, num_stages=STAGES,
     )  # fmt: skip
     return out
