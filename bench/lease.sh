@@ -13,7 +13,8 @@
 #      MORE_IMAGES seeded ones, 12 by default: 320 answers), the reference's time on
 #      the suite's 12-question requests, `bench.blas_rows` on cards other than the H100, and
 #      the baseline's kernel profile.
-# Carry .gpu-wheels and .before:
+#   4: (a short lease's second call) call 2's in-process check, then call 3's parity and reference.
+# ALONE=0 leaves call 1's `--merge off` run out. Carry .gpu-wheels and .before:
 #   CALL_S=580 bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
 call=${1:?usage: bench/lease.sh 1-3 OUTDIR}; out=${2:?usage: bench/lease.sh 1-3 OUTDIR}
@@ -32,12 +33,19 @@ ck=/tmp/omnijev/4b-export
 stop_workers() { pkill -f "runtime.cli serve" && sleep 2; return 0; }
 left() { local s=$((${CALL_S:-585} - SECONDS)); echo $((s > 1 ? s : 1)); }  # what is left of the call (CALL_S, at most ten minutes), less the tar
 py() { PYTHONPATH=/tmp/site:/tmp/fla:. timeout "$@"; }  # SECONDS, then the module and its options
+exit_call() {  # the call's results into OUTDIR, and the ends of its logs
+  tar czf "$out/lease-$call.tgz" -C "$work" .
+  cp "$work/log.txt" "$out/" 2> /dev/null
+  tail -30 "$work/log.txt" "$work"/*.log 2> /dev/null
+  exit 0
+}
 case $call in
   1)
     CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
     VIDEO=1 RESTART=1 CLIENTS=1,16,64 CLIENT_REQUESTS=${CLIENT_REQUESTS:-200} timeout $(($(left) - 60)) \
       bash bench/serve_ab.sh . new "$work"
     stop_workers
+    [[ ${ALONE:-1} == 0 ]] && exit_call
     # one client with every request alone, against the run above's one client (issue 47)
     ENGINES_OF=new SERVE_ARGS="--merge off" QUICK=1 CLIENTS=1 CLIENT_REQUESTS=200 timeout $(left) \
       bash bench/serve_ab.sh . alone "$work"
@@ -66,8 +74,17 @@ case $call in
     py $(left) python3 -m bench.kernels --checkpoint "$ck" --engines /tmp/omnijev/engines-base \
       --tree .before --out "$work/kernels-base.json" > "$work/kernels-base.log" 2>&1
     ;;
-  *) echo "the call is 1 to 3, got $call"; exit 2 ;;
+  4)
+    # a short lease's second call: call 2's in-process check and call 3's parity and reference
+    py $(($(left) / 3)) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
+      --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
+    py $(($(left) * 2 / 3)) python3 -m runtime.cli parity --checkpoint "$ck" \
+      --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
+      --more-images "${MORE_IMAGES:-12}" --out "$work/parity.json" > "$work/parity.log" 2>&1
+    py $(left) python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
+      --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
+    ;;
+  *) echo "the call is 1 to 4, got $call"; exit 2 ;;
 esac
-tar czf "$out/lease-$call.tgz" -C "$work" .
-cp "$work/log.txt" "$out/" 2> /dev/null
-tail -30 "$work/log.txt" "$work"/*.log 2> /dev/null
+exit_call
+
