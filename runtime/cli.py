@@ -41,6 +41,17 @@ def client_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def image_count(text: str) -> int:
+    """`--more-images N`: a count of further stills, 0 or more."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the image count is a number, got {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"the image count is at least 0, got {count}")
+    return count
+
+
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     """Each command's options, declared here so that `omnijev --help` lists them all."""
     if name in ("explain", "reference", "run"):
@@ -113,7 +124,7 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         )
         parser.add_argument(
             "--more-images",
-            type=int,
+            type=image_count,
             default=0,
             help="seeded stills beside the four (more answers: chance told from cause in BF16)",
         )

@@ -403,6 +403,16 @@ def test_the_bench_client_counts_parse(text, counts):
             client_counts(bad)
 
 
+def test_parity_refuses_a_bad_image_count_with_a_message():
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "parity", "--checkpoint", "c", "--engines", "e",
+         "--more-images", "-2"],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and "the image count is at least 0, got -2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_the_admission_bench_serves_every_request_at_each_limit_and_client_count(
     tmp_path_factory, capsys
 ):
