@@ -140,6 +140,31 @@ def test_spare_decoders_decode_the_next_files_and_end_with_the_worker() -> None:
     assert idle.wait(timeout=60) == 0
 
 
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_waiting_decoder_holds_its_heap_faulted_in() -> None:
+    """A spare, while it waits, faults in DECODER_WARM bytes of heap and keeps them after they
+    are freed, so that the frames it decodes next land on pages already there."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc here")
+    spare = video.start_decoder()
+    try:
+        deadline, held = time.monotonic() + 60, 0
+        while time.monotonic() < deadline and held < video.DECODER_WARM:
+            time.sleep(0.1)
+            held = resident_bytes(spare.pid)
+        time.sleep(0.5)  # freed by now: `warm_heap` returns at once
+        assert resident_bytes(spare.pid) >= video.DECODER_WARM
+    finally:
+        spare.stdin.close()
+        spare.wait(timeout=60)
+
+
 def frame_files() -> set[str]:
     where = Path(video.frames_dir() or tempfile.gettempdir())
     return {p.name for p in where.glob("omnijev-frames-*")}
