@@ -62,8 +62,9 @@ DECODER_SLACK = 2.0  # the process's start and the frames' way back, past DECODE
 DECODER_MEMORY = 4 * 1024**3
 ROOT = Path(__file__).resolve().parents[1]  # where `runtime` is imported from in the decoder
 DECODER_THREADS = 1  # a request decodes on its preparation thread, beside another request's
-# A fresh process's decode of a 16-frame 1280x720 clip took 47-64 ms, 23 ms in one that had
-# decoded before: its frames land on pages the kernel faults in and zeroes one by one. A spare
+# A fresh process's decode of a 16-frame 1280x720 clip took 47-64 ms on this project's CPU
+# machine, 23 ms in one that had decoded before: its frames land on pages the kernel faults in
+# and zeroes one by one (the round trip with them faulted in ahead: 64-81 ms, not 109-136). A spare
 # touches DECODER_WARM bytes of heap while it waits, and glibc's malloc is told to serve blocks
 # up to its largest mmap threshold from the heap and to keep freed heap: the frames' arrays and
 # FFmpeg's buffers then reuse those pages
