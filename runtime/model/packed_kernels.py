@@ -97,7 +97,6 @@ if triton is not None:
         length = tl.load(row_length + i_r)
         first_tile = tl.load(tile_ends + i_r) - tl.cdiv(G * length, BM)
         tile = i_p - first_tile
-        tiles = tl.where(low < rows, 1, 0)
         start = tl.load(row_start + i_r)
         parent = tl.load(row_parent + i_r)
         prefix = tl.load(row_prefix + i_r)
@@ -109,7 +108,7 @@ if triton is not None:
         own = start * sk_n + i_kvh * sk_h
         seen = prefix_mask + prefix * P
         o_d = tl.arange(0, D)
-        for _ in range(0, tiles):  # none past the last tile
+        if low < rows:  # none past the last tile
             o_f = tile * BM + tl.arange(0, BM)
             row_ok = o_f < G * length
             o_t = tl.where(row_ok, o_f // G, 0)
