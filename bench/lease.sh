@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# One GPU lease's three calls, back to back on the warm machine, each step taking what is left of
-# a call's ten minutes (results tarred into OUTDIR, since a call returns at most 8 files):
+# One GPU lease's calls, back to back on the warm machine, each step taking what is left of a
+# call's ten minutes (results tarred into OUTDIR, since a call returns at most 8 files):
 #   1: the checkpoint, then this tree served cold under the traffic suite (`bench/serve_ab.sh`:
-#      latency at one client, clips against stills with PyAV carried in .gpu-wheels/video, 1, 16
-#      and 64 clients with every answer compared), started again on its caches, and at one
-#      client with `--merge off`;
+#      latency at one client, clips against stills with PyAV carried in .gpu-wheels/video);
 #   2: the baseline in .before (`git archive 226ddae | tar x -C .before`, carried) served cold
 #      the same way, without clips or 64 clients; this tree in process (`bench.packed_check`:
 #      every question alone against its request, the stage and kernel profiles); `omnijev
@@ -14,11 +12,14 @@
 #      the suite's 12-question requests, `bench.blas_rows` on cards other than the H100, and
 #      the baseline's kernel profile.
 #   4: (a short lease's second call) call 2's in-process check, then call 3's parity and reference.
-# ALONE=0 leaves call 1's `--merge off` run out. Carry .gpu-wheels and .before:
+#   5: this tree served again on the caches call 1 left (its start), the suite at 1, 16 and 64
+#      clients with every answer compared, then at one client with `--merge off` (ALONE=0: not).
+# A full lease is calls 1, 5, 2, 3; a short one 1 and 4. Carry .gpu-wheels and .before:
 #   CALL_S=580 bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
-call=${1:?usage: bench/lease.sh 1-3 OUTDIR}; out=${2:?usage: bench/lease.sh 1-3 OUTDIR}
-work=/tmp/lease-$call; mkdir -p "$work"
+call=${1:?usage: bench/lease.sh 1-5 OUTDIR}; out=${2:?usage: bench/lease.sh 1-5 OUTDIR}
+# a machine lent again may keep an earlier lease's /tmp: none of its results may pass for this one's
+work=/tmp/lease-$call; rm -rf "$work"; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
 if [[ ! -d /tmp/site/fastapi ]]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
@@ -42,13 +43,7 @@ exit_call() {  # the call's results into OUTDIR, and the ends of its logs
 case $call in
   1)
     CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
-    VIDEO=1 RESTART=1 CLIENTS=1,16,64 CLIENT_REQUESTS=${CLIENT_REQUESTS:-200} timeout $(($(left) - 60)) \
-      bash bench/serve_ab.sh . new "$work"
-    stop_workers
-    [[ ${ALONE:-1} == 0 ]] && exit_call
-    # one client with every request alone, against the run above's one client (issue 47)
-    ENGINES_OF=new SERVE_ARGS="--merge off" QUICK=1 CLIENTS=1 CLIENT_REQUESTS=200 timeout $(left) \
-      bash bench/serve_ab.sh . alone "$work"
+    VIDEO=1 CLIENTS=none timeout $(($(left) - 30)) bash bench/serve_ab.sh . new "$work"
     stop_workers
     ;;
   2)
@@ -84,7 +79,18 @@ case $call in
     py $(left) python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
       --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
     ;;
-  *) echo "the call is 1 to 4, got $call"; exit 2 ;;
+  5)
+    # issue 47's client counts on the engine directory call 1 built (its start is the cached one)
+    ENGINES_OF=new QUICK=1 CLIENTS=1,16,64 CLIENT_REQUESTS=${CLIENT_REQUESTS:-200} \
+      timeout $(($(left) - 150)) bash bench/serve_ab.sh . cached "$work"
+    stop_workers
+    [[ ${ALONE:-1} == 0 ]] && exit_call
+    # one client with every request alone, against the run above's one client
+    ENGINES_OF=new SERVE_ARGS="--merge off" QUICK=1 CLIENTS=1 CLIENT_REQUESTS=200 timeout $(left) \
+      bash bench/serve_ab.sh . alone "$work"
+    stop_workers
+    ;;
+  *) echo "the call is 1 to 5, got $call"; exit 2 ;;
 esac
 exit_call
 
