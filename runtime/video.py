@@ -8,6 +8,7 @@ every limit below is checked before the pixels it guards are decoded (docs/contr
 from __future__ import annotations
 
 import io
+import json
 import math
 import mmap
 import os
@@ -82,6 +83,11 @@ SHARED_MEMORY = Path("/dev/shm")
 # a mapped file's frames hold their pages until the request is done with them, and two requests
 # prepare at once (the worker's preparation slots): room for two of the largest clips' frames
 LARGEST_FRAMES = 2 * MAX_FRAMES * MAX_FRAME_PIXELS * 3
+# The decoder answers in one line of JSON, never a pickle: a container that took over FFmpeg
+# must not reach the worker through its answer. The line is read as soon as it is complete,
+# not at the process's exit (its address space torn down, ~5 ms a clip on this project's CPU
+# machine): 16 frames' shapes and timestamps, or a refusal, are far below this
+ANSWER_BYTES = 64 * 1024
 MOSAIC_FIELDS = ("n_frames", "cols", "tile", "timestamps", "duration")
 MP4_MAGIC_AT, MP4_MAGIC = 4, b"ftyp"  # ISO BMFF's first box
 WEBM_MAGIC = b"\x1a\x45\xdf\xa3"  # EBML header
@@ -308,31 +314,89 @@ def frames_dir(shared: Path = SHARED_MEMORY, largest: int = LARGEST_FRAMES) -> s
 def answer_of(
     process: subprocess.Popen, sent: bytes, seconds: float, slack: float, path: str
 ) -> VideoFrames:
-    """The decoder's answer to `sent`: its frames read back from `path`, or its refusal."""
+    """The decoder's answer to `sent`: its frames read back from `path`, or its refusal. The
+    process is killed at its deadline; one that has answered ends on its own, and a thread
+    waits for that (killing it past `slack`)."""
+    talk = Exchange(process, sent)
+    talk.start()
+    talk.join(seconds + slack)
+    if talk.is_alive():
+        process.kill()
+        process.wait()
+        talk.join()
+        raise ContractError(f"video must decode within {seconds:g} s")
+    threading.Thread(target=reap, args=(process, slack), daemon=True).start()
+    return frames_of_answer(talk.line, path)
+
+
+def reap(process: subprocess.Popen, grace: float) -> None:
+    """Waits for a decoder that has answered to end, killing it after `grace` seconds."""
     try:
-        out, _ = process.communicate(sent, seconds + slack)
+        process.wait(grace)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.communicate()
-        raise ContractError(f"video must decode within {seconds:g} s") from None
-    if process.returncode != 0 or not out:  # FFmpeg crashed, or the memory limit hit
-        raise ContractError(INVALID_VIDEO)
+        process.wait()
+
+
+class Exchange(threading.Thread):
+    """Writes the request to a decoder's stdin and reads its one line of answer (`line`, empty
+    where the process died first)."""
+
+    def __init__(self, process: subprocess.Popen, sent: bytes):
+        super().__init__(daemon=True)
+        self.process, self.sent, self.line = process, sent, b""
+
+    def run(self) -> None:
+        try:
+            self.process.stdin.write(self.sent)
+            self.process.stdin.close()
+            self.line = self.process.stdout.readline(ANSWER_BYTES)
+        except (OSError, ValueError):  # the process died, or was killed at its deadline
+            self.line = b""
+
+
+def frames_of_answer(line: bytes, path: str) -> VideoFrames:
+    """The frames an answer line names, read back from `path`, or its refusal; anything but
+    the two forms `answer_line` writes is an invalid video (FFmpeg crashed, the memory limit
+    hit, or the process no longer ours)."""
     try:
-        kind, value = pickle.loads(out)  # our own process's answer
-    except Exception:  # cut short: the process died while it wrote
+        answer = json.loads(line)
+        if "refused" in answer:
+            raise ContractError(str(answer["refused"]))
+        meta = answer["frames"]
+        shapes = tuple(tuple(int(x) for x in shape) for shape in meta["shapes"])
+        timestamps = tuple(float(ts) for ts in meta["timestamps"])
+        duration, most = float(meta["duration"]), int(meta["most_pixels"])
+    except ContractError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError):
         raise ContractError(INVALID_VIDEO) from None
-    if kind == "refused":
-        raise ContractError(value)
-    return frames_read(path, *value)
+    if not 0 < len(shapes) <= MAX_FRAMES or len(timestamps) != len(shapes):
+        raise ContractError(INVALID_VIDEO)
+    for shape in shapes:
+        if len(shape) != 3 or shape[2] != 3 or min(shape) <= 0:
+            raise ContractError(INVALID_VIDEO)
+        if shape[0] * shape[1] > MAX_FRAME_PIXELS:
+            raise ContractError(INVALID_VIDEO)
+    return frames_read(path, shapes, timestamps, duration, most)
 
 
-def frames_written(path: str, frames: VideoFrames) -> tuple:
+def answer_line(kind: str, value: object) -> bytes:
+    """The decoder's answer: {"frames": `frames_written`'s fields} or {"refused": message}."""
+    return json.dumps({kind: value}).encode() + b"\n"
+
+
+def frames_written(path: str, frames: VideoFrames) -> dict:
     """Writes the frames' pixels to `path`, one after another; what `frames_read` needs besides."""
     with open(path, "wb") as file:
         for frame in frames.frames:
             file.write(np.ascontiguousarray(frame).data)
-    shapes = tuple(frame.shape for frame in frames.frames)
-    return shapes, frames.timestamps, frames.duration, frames.most_pixels
+    return {
+        "shapes": [list(frame.shape) for frame in frames.frames],
+        "timestamps": list(frames.timestamps),
+        "duration": frames.duration,
+        "most_pixels": frames.most_pixels,
+    }
 
 
 def frames_read(
@@ -403,10 +467,10 @@ DECODERS = Decoders()
 
 
 def decoder_main() -> None:
-    """`python -m runtime.video`: (MIME type, bytes, a path) pickled on stdin, `decode_frames`'s
-    frames written to the path and their shapes pickled on stdout (or its refusal's message),
-    within DECODER_MEMORY bytes of address space. PyAV is imported before the file comes (a
-    spare waits for it); a closed stdin ends it."""
+    """`python -m runtime.video`: (MIME type, bytes, a path) pickled on stdin by the worker,
+    `decode_frames`'s frames written to the path and one line of JSON on stdout naming them (or
+    its refusal's message, `answer_line`), within DECODER_MEMORY bytes of address space. PyAV is
+    imported before the file comes (a spare waits for it); a closed stdin ends it."""
     resource.setrlimit(resource.RLIMIT_AS, (DECODER_MEMORY, DECODER_MEMORY))
     try:
         import av  # noqa: F401
@@ -420,12 +484,12 @@ def decoder_main() -> None:
     try:
         if av is None:
             raise ContractError(NO_DECODER)
-        result = ("frames", frames_written(path, decode_frames(VideoFile(mime, data))))
+        answer = answer_line("frames", frames_written(path, decode_frames(VideoFile(mime, data))))
     except ContractError as error:
-        result = ("refused", str(error))
+        answer = answer_line("refused", str(error))
     except Exception:  # PyAV's errors of a malformed container or stream
-        result = ("refused", INVALID_VIDEO)
-    pickle.dump(result, sys.stdout.buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        answer = answer_line("refused", INVALID_VIDEO)
+    sys.stdout.buffer.write(answer)
 
 
 def warm_heap(size: int = DECODER_WARM, piece: int = WARM_PIECE) -> None:
@@ -549,7 +613,7 @@ def decode_picked(av, video: VideoFile, picked: set[int], started: float) -> dic
     return kept
 
 
-if __name__ == "__main__":  # as runtime.video, so that what it pickles names this module
+if __name__ == "__main__":  # as runtime.video: its classes the ones the rest of the runtime names
     from runtime.video import decoder_main as run
 
     run()

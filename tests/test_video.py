@@ -5,6 +5,7 @@ the container headers."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -121,6 +122,59 @@ def test_a_decoder_that_dies_is_an_invalid_video() -> None:
         video.decode_file(file, python="/bin/false")
 
 
+def fake_decoder(folder: Path, answer: bytes, then: str = "") -> str:
+    """An executable that reads its request, writes `answer` and runs `then` (shell)."""
+    (folder / "answer").write_bytes(answer)
+    script = folder / "decoder"
+    script.write_text(f"#!/bin/sh\ncat > /dev/null\ncat '{folder / 'answer'}'\n{then}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def frames_answer(shape: list[int]) -> bytes:
+    meta = {"shapes": [shape], "timestamps": [0.0], "duration": 1.0, "most_pixels": 4}
+    return json.dumps({"frames": meta}).encode() + b"\n"
+
+
+def test_a_decoders_answer_is_json_and_nothing_else(tmp_path: Path) -> None:
+    """The worker parses one line of JSON from the decoder, never a pickle: a decoder that an
+    exploited container took over reaches nothing through it. Any other answer, or one that
+    names frames its file does not hold, is an invalid video; a refusal keeps its message."""
+    import pickle
+
+    data, mime = clip(2, 32, 32)
+    file = video.video_file(video_url(data, mime))
+    forged = pickle.dumps(("frames", ((2, 2, 3),), (0.0,), 1.0, 4))
+    for answer in (
+        forged,
+        b"[1, 2]\n",
+        b'{"frames": {"shapes": 3}}\n',
+        frames_answer([32, 32, 3]),  # the file holds none of it
+        frames_answer([5000, 5000, 3]),
+        b"x" * (video.ANSWER_BYTES + 10),
+    ):
+        with pytest.raises(ContractError, match="^invalid video$"):
+            video.decode_file(file, python=fake_decoder(tmp_path, answer))
+    refusal = b'{"refused": "video must have at most 8 streams, got 9"}\n'
+    with pytest.raises(ContractError, match="^video must have at most 8 streams, got 9$"):
+        video.decode_file(file, python=fake_decoder(tmp_path, refusal))
+
+
+def test_the_answer_is_taken_without_waiting_for_the_decoders_end(tmp_path: Path) -> None:
+    """A decoder that has answered is not waited for: its answer counts at once, and a
+    process that stays past the slack is killed."""
+    data, mime = clip(2, 32, 32)
+    file = video.video_file(video_url(data, mime))
+    marker = tmp_path / "still running"
+    slow = fake_decoder(tmp_path, b'{"refused": "no"}\n', f"sleep 3; touch '{marker}'")
+    started = time.monotonic()
+    with pytest.raises(ContractError, match="^no$"):
+        video.decode_file(file, seconds=20, slack=1, python=slow)
+    assert time.monotonic() - started < 2.5
+    time.sleep(3)
+    assert not marker.exists()
+
+
 def test_spare_decoders_decode_the_next_files_and_end_with_the_worker() -> None:
     """A request takes the oldest started spare and starts its replacement, so that as many
     spares wait as requests prepare at once; a spare whose stdin closes (the worker ended)
@@ -131,7 +185,7 @@ def test_spare_decoders_decode_the_next_files_and_end_with_the_worker() -> None:
     spares = list(video.DECODERS.spares)
     assert len(spares) == video.DECODER_SPARES and all(s.poll() is None for s in spares)
     second = video.decode_file(file)
-    assert spares[0].poll() is not None and spares[0] not in video.DECODERS.spares
+    assert spares[0].wait(timeout=30) is not None and spares[0] not in video.DECODERS.spares
     assert video.DECODERS.spares[0] is spares[1] and len(video.DECODERS.spares) == 2
     assert all(np.array_equal(a, b) for a, b in zip(first.frames, second.frames, strict=True))
     assert first.most_pixels == video.clip_pixels(4)
@@ -201,7 +255,7 @@ def test_the_frames_come_back_through_a_file_that_is_removed_whatever_the_end() 
     meta = video.frames_written(path, frames)
     Path(path).write_bytes(Path(path).read_bytes()[:-1])
     with pytest.raises(ContractError, match="^invalid video$"):
-        video.frames_read(path, *meta)
+        video.frames_read(path, **meta)
     os.unlink(path)
 
 
