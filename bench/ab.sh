@@ -10,8 +10,7 @@ py=${PYTHON:-python3}
 before=${1:?usage: bench/ab.sh BEFORE OUTDIR}; out=${2:?usage: bench/ab.sh BEFORE OUTDIR}
 mkdir -p "$out"; root=$PWD; before=$(cd "$before" && pwd)
 if [[ -d .gpu-wheels && -z ${PYTHON:-} ]]; then  # the GPU machine: carried wheels
-  $py -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
-  $py -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
+  source bench/gpu_site.sh; gpu_site "$py"
 fi
 export FLA_PATH=/tmp/fla PYTHONUNBUFFERED=1
 base=/tmp/site:/tmp/fla

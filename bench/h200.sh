@@ -12,12 +12,7 @@ set -euo pipefail
 out=${1:?usage: bench/h200.sh OUTDIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-if [[ ! -d /tmp/site/fastapi ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
-fi
-if [[ ! -d /tmp/fla/fla ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
-fi
+source bench/gpu_site.sh; gpu_site
 export FLA_PATH=/tmp/fla PYTHONPATH=/tmp/site:/tmp/fla:$PWD
 step() {
   echo "[$(date +%T), ${SECONDS} s] bench.gpu $*" | tee -a "$out/log.txt"

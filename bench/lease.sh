@@ -21,13 +21,7 @@ call=${1:?usage: bench/lease.sh 1-5 OUTDIR}; out=${2:?usage: bench/lease.sh 1-5 
 # a machine lent again may keep an earlier lease's /tmp: none of its results may pass for this one's
 work=/tmp/lease-$call; rm -rf "$work"; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
-if [[ ! -d /tmp/site/fastapi ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
-fi
-if [[ -d .gpu-wheels/video && ! -d /tmp/site/av ]]; then  # PyAV, for clips
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/video/*.whl
-fi
+source bench/gpu_site.sh; gpu_site  # PyAV too, for clips
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$work/card.txt"
 ck=/tmp/omnijev/4b-export
 # a serving run cut by its limit leaves its worker behind (it holds the port and the GPU's memory)

@@ -16,12 +16,7 @@ mkdir -p "$out"
 port=8011
 clients=${CLIENTS:-16}
 log() { echo "[$(date +%T), ${SECONDS} s] $*" | tee -a "$out/log.txt"; }
-if [[ ! -d /tmp/site/fastapi ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
-fi
-if [[ ! -d /tmp/fla/fla ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
-fi
+source bench/gpu_site.sh; gpu_site
 if [[ ! -d /tmp/site/ray ]]; then
   tar xJf .gpu-wheels/raysite.tar.xz -C /tmp/site
 fi

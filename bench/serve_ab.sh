@@ -16,10 +16,7 @@
 set -uo pipefail
 tree=${1:?usage: bench/serve_ab.sh TREE NAME OUTDIR}; name=${2:?}; out=${3:?}
 root=$PWD; tree=$(cd "$tree" && pwd); mkdir -p "$out"
-if [[ ! -d /tmp/site/fastapi ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/server/*.whl
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fla .gpu-wheels/torch/*.whl
-fi
+source "$root/bench/gpu_site.sh"; gpu_site
 export FLA_PATH=/tmp/fla PYTHONUNBUFFERED=1
 ck=/tmp/omnijev/4b-export; en=/tmp/omnijev/engines-${ENGINES_OF:-$name}; url=http://127.0.0.1:8000
 log() { echo "[$(date +%T), ${SECONDS} s] $*" | tee -a "$out/log.txt"; }
