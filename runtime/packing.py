@@ -262,8 +262,8 @@ def place_options(
     """The option rows of `group`'s questions, after their text rows (row i the text of
     `group[i]`) and the tokens placed so far: each block <|opt|> … <|/opt|> (`option_span`, at
     the positions it has as its question's only option) past the question's shared leading
-    tokens, which its text row holds. Every option of the pass at once, as arrays: a Choice of
-    255 options planned in 0.6 ms where a row at a time took 2.9 (the CPU machine)."""
+    tokens, which its text row holds. Every option of the pass at once, as arrays: Python a row
+    at a time costs ~11 µs a row on the CPU machine, 2.9 ms for a Choice of 255 options."""
     layouts = [prepared.layouts[piece.question] for piece in group]
     ids, opens, closes = option_blocks(layouts)
     parents = np.repeat(np.arange(len(group)), [len(layout.opens) for layout in layouts])
