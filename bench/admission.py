@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -22,13 +21,18 @@ from bench.clients import served
 from bench.load import run_load
 
 RETRIES = 30  # a request refused this many times in a row counts as refused
-BUSY = re.compile(r"^omnijev_device_busy_seconds_total (\S+)$", re.M)
+BUSY = "omnijev_device_busy_seconds"  # a counter: its sample is BUSY + "_total"
 
 
 def busy_seconds(url: str) -> float:
     """The worker's seconds of device work so far (0 where it has no device)."""
-    found = BUSY.search(httpx.get(url + "/metrics", timeout=10).text)
-    return float(found[1]) if found else 0.0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == BUSY:
+            return sum(s.value for s in family.samples if s.name == BUSY + "_total")
+    return 0.0
 
 
 def measure(engine, admitted: int, clients: list[int], bodies: list[bytes]) -> list[dict]:
@@ -70,14 +74,8 @@ def table_line(r: dict) -> str:
     )
 
 
-def numbers(text: str) -> list[int]:
-    values = [int(part) for part in text.split(",")]
-    if any(value < 1 for value in values):
-        raise ValueError(text)
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
+    from runtime.cli import client_counts
     from runtime.executor import load_engine
 
     parser = argparse.ArgumentParser(prog="python -m bench.admission", description=__doc__)
@@ -93,9 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     try:
-        limits, clients = numbers(args.admitted), numbers(args.clients)
+        limits, clients = client_counts(args.admitted), client_counts(args.clients)
         width, height = (int(side) for side in args.image_size.split("x"))
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
+        limits, clients, width, height = (), (), 0, 0
+    if not limits or not clients or width < 1 or height < 1:
         parser.error("--admitted and --clients want positive numbers (16,48), --image-size WxH")
     bodies = [
         traffic.request(
