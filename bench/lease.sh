@@ -9,8 +9,8 @@
 #      bench`'s six workloads in this tree then the baseline;
 #   3: BF16 parity beside the BF16 reference's own distance to float32 (the four stills and
 #      MORE_IMAGES seeded ones, 12 by default: 320 answers), the reference's time on
-#      the suite's 12-question requests, `bench.blas_rows` on cards other than the H100, and
-#      the baseline's kernel profile.
+#      the suite's 12-question requests, `bench.blas_rows` on cards other than the H100, the
+#      start on the caches under cProfile (`bench.start_profile`), the baseline's kernel profile.
 #   4: (a short lease's second call) call 2's in-process check, then call 3's parity and reference.
 #   5: this tree served again on the caches call 1 left (its start), the suite at 1, 16 and 64
 #      clients with every answer compared, then at one client with `--merge off` (ALONE=0: not).
@@ -60,6 +60,9 @@ case $call in
       --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
     grep -q H100 "$work/card.txt" || py 100 python3 -m bench.blas_rows --out "$work/blas-rows.json" \
       > "$work/blas-rows.log" 2>&1
+    # where a start on call 1's caches spends its time (the load and the warm-up request)
+    py 150 python3 -m bench.start_profile --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
+      --out "$work/start-profile.json" > "$work/start-profile.log" 2>&1
     py $(left) python3 -m bench.kernels --checkpoint "$ck" --engines /tmp/omnijev/engines-base \
       --tree .before --out "$work/kernels-base.json" > "$work/kernels-base.log" 2>&1
     ;;

@@ -796,6 +796,8 @@ def cli_serve(args: Any, load: Callable[..., Engine] | None = None) -> int:
     if load is None:
         from runtime.executor import load_engine as load
 
+    # the load's own lines (where a start spends its time) come before serving's
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     warm_ups = [read_warm_up(path) for path in args.warm_up or ()]
     sock = bind(args.host, args.port)
     engine = load(args.checkpoint, args.engines, RuntimeConfig.from_args(args))

@@ -145,6 +145,7 @@ HOPPER_COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from runtime.model import gdn_kernels as gk
+    from runtime.model import packed_kernels as pk
 
     tool = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     half = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*fp32",
@@ -154,6 +155,10 @@ HOPPER_COMPILE = textwrap.dedent(
     conv = {"raw": "*bf16", "past": "*bf16", "weight": "*fp32", "lengths": "*i64",
             "out": "*bf16", "state": "*bf16", "T": "i32", "C": "i32", "row_stride": "i64",
             "token_stride": "i64"}
+    packed = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*fp32",
+              "states": "*fp32", "slots": "*fp32", "row_start": "*i64", "row_length": "*i64",
+              "row_parent": "*i64", "row_prefix": "*i64", "out": "*fp32", "scale": "fp32",
+              "sq_n": "i64", "sv_n": "i64"}
     kernels = [
         (gk._option_blocks_kernel, blocks, dict(shapes, T=t, TP=t, R=gk.BLOCK_TOKENS // t,
          BV=gk.BLOCK_V, SPLIT=gk.BLOCK_SPLIT, KC=gk.BLOCK_KEYS), gk.BLOCK_WARPS)
@@ -162,6 +167,10 @@ HOPPER_COMPILE = textwrap.dedent(
         (gk._short_conv_kernel, conv, dict(KEEP=3, KP=4, TAPS=4, BT=gk.CONV_TOKENS,
          BC=gk.CONV_CHANNELS, STATE=state), 4)
         for state in (True, False)
+    ] + [
+        (pk._packed_delta_kernel, packed, dict(shapes, BV=pk.BLOCK_V, TEXT=text,
+         SLOTS=pk.TEXT_ROWS), pk.DELTA_WARPS)
+        for text in (True, False)
     ]
     for fn, types, constants, warps in kernels:
         signature = {**types, **{name: "constexpr" for name in constants}}
@@ -201,7 +210,7 @@ def test_the_kernels_compile_for_hopper_without_spilling(tmp_path):
     stacks = [line.split() for line in done.stdout.strip().splitlines()]
     assert [name for name, _ in stacks] == ["_option_blocks_kernel"] * 2 + [
         "_short_conv_kernel"
-    ] * 2
+    ] * 2 + ["_packed_delta_kernel"] * 2
     assert all(stack == "0" for _, stack in stacks), stacks
 
 

@@ -278,10 +278,16 @@ class TorchBackend:
         self.language = load_language_pass(checkpoint, self.dtype).to(self.device)
         self.vision, _ = load_vision_tower(checkpoint, self.dtype)
         self.vision = self.vision.to(self.device)
-        self.weights_seconds = time.perf_counter() - started  # a cold start's parts, reported
+        weights = time.perf_counter()
         self.prepare_modules(cuda)
         # merging requests needs products whose rows keep their bytes at every pass size
         self.products_differ = self.check_products()
+        # a start's parts (the executor logs the whole backend's)
+        log.info(
+            "backend: weights %.2f s, modules and products check %.2f s",
+            weights - started,
+            time.perf_counter() - weights,
+        )
         if self.products_differ:
             shown = ", ".join(self.products_differ[:4])
             log.warning("products move a row's bytes here (%s): requests run alone", shown)

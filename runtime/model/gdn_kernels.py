@@ -107,6 +107,22 @@ def _(q, k, v, g, beta, state, scale):
 if triton is not None:
 
     @triton.jit
+    def delta_step(h, b_q, b_k, b_v, b_g, b_beta, scale, EPS: tl.constexpr):
+        """One token of the gated delta rule on a float32 state tile h [K, BV]: (the state
+        after it, the token's output [BV]). q and k are normalised here. Both sums over the key
+        dimension read the state the token starts from, so they run side by side and the next
+        token waits on one sum, not two: h·k and h·q scaled by the decay, the output h·q plus
+        (k·q) times the token's update."""
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
+        decay = tl.exp(b_g)
+        h_k = tl.sum(h * b_k[:, None], 0) * decay
+        h_q = tl.sum(h * b_q[:, None], 0) * decay
+        b_v = b_beta * (b_v - h_k)
+        h = h * decay + b_k[:, None] * b_v[None, :]
+        return h, h_q + tl.sum(b_k * b_q) * b_v
+
+    @triton.jit
     def _rows_kernel(
         q,
         k,
@@ -162,12 +178,7 @@ if triton is not None:
             n_v = tl.load(v + (after * HV + i_hv) * V + o_v)
             n_g = tl.load(g + after * HV + i_hv)
             n_beta = tl.load(beta + after * HV + i_hv)
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
-            h = h * tl.exp(b_g)
-            b_v = b_beta * (b_v - tl.sum(h * b_k[:, None], 0))
-            h = h + b_k[:, None] * b_v[None, :]
-            b_o = tl.sum(h * b_q[:, None], 0)
+            h, b_o = delta_step(h, b_q, b_k, b_v, b_g, b_beta, scale, EPS)
             tl.store(out + (token * HV + i_hv) * V + o_v, b_o.to(out.dtype.element_ty))
             token += 1
             t += 1

@@ -32,6 +32,8 @@ BLOCK_V = 16
 DELTA_WARPS = 1
 
 if triton is not None:
+    from runtime.model.gdn_kernels import delta_step  # the rows kernel's token step
+
     # a jitted function reads only constexpr globals
     MASKED_SCORE = tl.constexpr(MASKED)
 
@@ -193,12 +195,7 @@ if triton is not None:
             n_v = tl.load(v + after * sv_n + i_hv * V + o_v)
             n_g = tl.load(g + after * HV + i_hv)
             n_beta = tl.load(beta + after * HV + i_hv)
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + EPS) * scale
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + EPS)
-            h = h * tl.exp(b_g)
-            b_v = b_beta * (b_v - tl.sum(h * b_k[:, None], 0))
-            h = h + b_k[:, None] * b_v[None, :]
-            b_o = tl.sum(h * b_q[:, None], 0)
+            h, b_o = delta_step(h, b_q, b_k, b_v, b_g, b_beta, scale, EPS)
             tl.store(out + (token * HV + i_hv) * V + o_v, b_o.to(out.dtype.element_ty))
             token += 1
             t += 1
