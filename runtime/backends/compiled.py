@@ -279,13 +279,14 @@ class TorchBackend:
         self.vision, _ = load_vision_tower(checkpoint, self.dtype)
         self.vision = self.vision.to(self.device)
         weights = time.perf_counter()
+        self.weights_seconds = weights - started  # a cold start's parts, reported
         self.prepare_modules(cuda)
         # merging requests needs products whose rows keep their bytes at every pass size
         self.products_differ = self.check_products()
         # a start's parts (the executor logs the whole backend's)
         log.info(
             "backend: weights %.2f s, modules and products check %.2f s",
-            weights - started,
+            self.weights_seconds,
             time.perf_counter() - weights,
         )
         if self.products_differ:
