@@ -1,8 +1,8 @@
-"""The torch backend's own Gated DeltaNet kernels for short rows and for option rows in blocks
-(runtime.model.gdn_kernels) against the eager chunked core on per-row gathered states; run by
-Triton's interpreter on the CPU (Triton is a dev dependency; on the GPU `python -m bench.gpu
-parity` checks the kernels' answers on the 4b shapes), skipped where Triton is missing. And
-the executor's upload and stage clock."""
+"""The torch backend's own Gated DeltaNet kernels for short rows (runtime.model.gdn_kernels)
+against the eager chunked core on per-row gathered states; run by Triton's interpreter on the
+CPU (Triton is a dev dependency; on the GPU `python -m bench.gpu parity` checks the kernels'
+answers on the 4b shapes), skipped where Triton is missing. And the executor's upload and stage
+clock."""
 
 from __future__ import annotations
 
@@ -31,14 +31,13 @@ KERNEL_CHECK = textwrap.dedent(
     beta = torch.where(valid, torch.rand(b, t, value_heads), 0.0)
     states = torch.randn(sources, value_heads, dk, dv) * 0.1
     src = torch.tensor([2, 0, 1, 2, 0])
-    out = gdn_kernels.option_rows_gated_delta(q, k, v, g, beta, states, src, lengths, dk**-0.5)
-    carried, final = gdn_kernels.rows_gated_delta(q, k, v, g, beta, states, src, lengths, dk**-0.5)
+    out, final = gdn_kernels.rows_gated_delta(q, k, v, g, beta, states, src, lengths, dk**-0.5)
     padding = ~valid[..., 0]
     assert (out[padding] == 0).all()  # padded tokens' outputs are zeros, never read
-    assert torch.equal(out, carried)  # the state kept or not, the same outputs
-    same = gdn_kernels.option_rows_gated_delta(
+    same, same_final = gdn_kernels.rows_gated_delta(
         q.contiguous(), k.contiguous(), v.contiguous(), g, beta, states, src, lengths, dk**-0.5)
-    assert torch.equal(out, same)  # views of the conv's output, as contiguous copies
+    # views of the conv's output, as contiguous copies
+    assert torch.equal(out, same) and torch.equal(final, same_final)
 
     def per_value_head(x):
         return x.repeat_interleave(value_heads // heads, dim=2)
@@ -55,52 +54,9 @@ KERNEL_CHECK = textwrap.dedent(
 
 def test_rows_kernel_matches_the_eager_core():
     """Outputs and final states against the eager core on gathered states, rows given as views
-    of one conv output with 0 to 6 valid tokens, outputs alike with or without the state."""
+    of one conv output with 0 to 6 valid tokens, the same bytes as from contiguous copies."""
     outputs, states = (float(x) for x in run_interpreted(KERNEL_CHECK)[-2:])
     assert outputs < 1e-5 and states < 1e-5
-
-
-BLOCKS_CHECK = textwrap.dedent(
-    """
-    import torch
-    from runtime.model import gdn_kernels
-    from runtime.model.gdn import gated_delta_eager, l2norm
-
-    torch.manual_seed(0)
-    heads, value_heads, dk, dv = 2, 4, 32, 64
-    # the shipped tile's blocks: 2 rows of 8 tokens (the last block one row), 1 row of 12
-    # tokens in 16 slots, 2 rows of 6 tokens in 8 slots
-    for b, t, sources in ((19, 8, 3), (3, 12, 1), (7, 6, 2)):
-        q, k = torch.randn(b, t, heads, dk), torch.randn(b, t, heads, dk)
-        v = torch.randn(b, t, value_heads, dv)
-        lengths = torch.randint(0, t + 1, (b,))
-        lengths[0] = t
-        valid = (torch.arange(t)[None] < lengths[:, None])[..., None]
-        g = torch.where(valid, -torch.rand(b, t, value_heads), 0.0)
-        beta = torch.where(valid, torch.rand(b, t, value_heads), 0.0)
-        states = torch.randn(sources, value_heads, dk, dv) * 0.1
-        src = torch.randint(0, sources, (b,)).sort().values
-        out = gdn_kernels.option_blocks(q, k, v, g, beta, states, src, lengths, dk**-0.5)
-        assert (out[~valid[..., 0]] == 0).all()  # padded tokens' outputs are zeros
-
-        def per_value_head(x):
-            return x.repeat_interleave(value_heads // heads, dim=2)
-
-        expected, _ = gated_delta_eager(
-            l2norm(per_value_head(q)) * dk**-0.5, l2norm(per_value_head(k)), v, g, beta,
-            states[src])
-        print(float((out - expected)[valid[..., 0]].abs().max()))
-    """
-)
-
-
-def test_option_blocks_kernel_matches_the_eager_core():
-    """The block kernel (several rows a program, their sources' states through products, a
-    row's own tokens solved per row) against the eager core on gathered states: rows of 8
-    tokens from three sources, rows of 12 tokens in 16 slots and rows of 6 in 8, 0 to all
-    tokens valid."""
-    differences = [float(x) for x in run_interpreted(BLOCKS_CHECK)[-3:]]
-    assert max(differences) < 1e-5
 
 
 CONV_CHECK = textwrap.dedent(
@@ -148,9 +104,6 @@ HOPPER_COMPILE = textwrap.dedent(
     from runtime.model import packed_kernels as pk
 
     tool = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    half = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*fp32",
-            "states": "*fp32", "src": "*i64", "lengths": "*i64", "out": "*bf16"}
-    blocks = {**half, "scale": "fp32", "B": "i32"}
     shapes = {"H": 16, "HV": 32, "K": 128, "V": 128, "EPS": 1e-6}
     conv = {"raw": "*bf16", "past": "*bf16", "weight": "*fp32", "lengths": "*i64",
             "out": "*bf16", "state": "*bf16", "T": "i32", "C": "i32", "row_stride": "i64",
@@ -160,10 +113,6 @@ HOPPER_COMPILE = textwrap.dedent(
               "row_parent": "*i64", "row_prefix": "*i64", "out": "*fp32", "scale": "fp32",
               "sq_n": "i64", "sv_n": "i64"}
     kernels = [
-        (gk._option_blocks_kernel, blocks, dict(shapes, T=t, TP=t, R=gk.BLOCK_TOKENS // t,
-         BV=gk.BLOCK_V, SPLIT=gk.BLOCK_SPLIT, KC=gk.BLOCK_KEYS), gk.BLOCK_WARPS)
-        for t in (8, 16)
-    ] + [
         (gk._short_conv_kernel, conv, dict(KEEP=3, KP=4, TAPS=4, BT=gk.CONV_TOKENS,
          BC=gk.CONV_CHANNELS, STATE=state), 4)
         for state in (True, False)
@@ -188,10 +137,10 @@ HOPPER_COMPILE = textwrap.dedent(
 
 
 def test_the_kernels_compile_for_hopper_without_spilling(tmp_path):
-    """Triton compiles the block and conv kernels for the H200 (sm_90) here, without a GPU:
-    the interpreter runs Python and accepts code the compiler refuses (a conv kernel that the
-    H200's Triton once refused), and the block kernel's shipped tile
-    keeps its registers (a first chunked kernel spilled and ran slower than the recurrent)."""
+    """Triton compiles the conv and packed delta kernels for the H200 (sm_90) here, without a
+    GPU: the interpreter runs Python and accepts code the compiler refuses (a conv kernel that
+    the H200's Triton once refused), and their shipped tiles keep their registers (a first
+    chunked kernel spilled and ran slower than the recurrent)."""
     import os
     import subprocess
     import sys
@@ -208,9 +157,7 @@ def test_the_kernels_compile_for_hopper_without_spilling(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     stacks = [line.split() for line in done.stdout.strip().splitlines()]
-    assert [name for name, _ in stacks] == ["_option_blocks_kernel"] * 2 + [
-        "_short_conv_kernel"
-    ] * 2 + ["_packed_delta_kernel"] * 2
+    assert [name for name, _ in stacks] == ["_short_conv_kernel"] * 2 + ["_packed_delta_kernel"] * 2
     assert all(stack == "0" for _, stack in stacks), stacks
 
 
@@ -222,15 +169,13 @@ def test_the_kernels_are_custom_ops_with_fakes():
     gates = torch.empty(3, 4, 4, device="meta")
     states = torch.empty(2, 4, 32, 64, device="meta")
     src = torch.empty(3, dtype=torch.int64, device="meta")
-    out = gdn_kernels.option_rows_gated_delta(q, q, v, gates, gates, states, src, src, 0.5)
-    assert out.shape == v.shape and out.is_contiguous()
     out, final = gdn_kernels.fla_gated_delta(
         q, q, v, gates, gates, states[:1].expand(3, -1, -1, -1), 0.5
     )
     assert out.shape == v.shape and final.shape == (3, 4, 32, 64)
     assert final.dtype == torch.float32
     out, final = gdn_kernels.rows_gated_delta(q, q, v, gates, gates, states, src, src, 0.5)
-    assert out.shape == v.shape and final.shape == (3, 4, 32, 64)
+    assert out.shape == v.shape and out.is_contiguous() and final.shape == (3, 4, 32, 64)
     assert final.dtype == torch.float32
     raw = torch.empty(3, 4, 300, device="meta")
     out, state = gdn_kernels.short_conv(raw, torch.empty(3, 300, 3, device="meta"),

@@ -1,12 +1,9 @@
 """The Gated DeltaNet kernels of the torch backend on CUDA, as PyTorch custom ops so that
-`torch.compile` keeps a pass in one graph: fla-core's kernels for passes that carry their state
-on, our own recurrent kernel for short rows, for BF16 option rows a block kernel that reads
-their questions' states once, through matrix products, and the short conv before the core.
+`torch.compile` keeps a pass in one graph: fla-core's kernels for long passes that carry their
+state on, our own recurrent kernel for short ones, and the short conv before the core.
 
 Follows the gated delta rule of docs/model.md §3 (S ← e^g S; v' = β(v − Sᵀk); S ← S + k v'ᵀ;
-o = Sᵀq, q and k l2-normalised with eps 1e-6 and q scaled), fla-core's fused recurrent form,
-and for the block kernel the same rule unrolled over a row from its initial state (fla-core's
-chunked form with one chunk a row).
+o = Sᵀq, q and k l2-normalised with eps 1e-6 and q scaled) in fla-core's fused recurrent form.
 """
 
 from __future__ import annotations
@@ -34,29 +31,6 @@ ROWS_WARPS = 1
 # ones (image prefixes, 64 tokens and up) fla's chunked kernel, which is faster from 64 tokens
 # on and took 7 kernels a layer below
 ROWS_MAX_TOKENS = 32
-# Option rows in BF16 of at most BLOCK_MAX_TOKENS tokens run the block kernel: every option row
-# of a question starts from the same state S0, so S0 enters through two matrix products over a
-# block of rows' tokens (Kᵀ and Q against S0 on the tensor cores, S0 read once a block), and
-# what is left of the rule is a row's own tokens against each other, [T, T] a row; the recurrent
-# kernel re-read S0 per row and walked its tokens one by one. Every step keeps a row's values to
-# itself (the products' rows are independent; the [T, T] steps are per-row tiles; the one
-# product over the block's tokens sees another row's terms as exact zeros), so a row's bytes do
-# not follow the other rows of its block. Float32 passes keep the recurrent kernel, whose
-# arithmetic is float32 throughout (the float32 parity allows no TF32).
-# Token slots and value columns a program, and its warps: the fastest tile on the H200 on every
-# option-pass shape, byte for byte in the invariance check
-BLOCK_TOKENS = 16
-BLOCK_V = 64
-BLOCK_WARPS = 2
-# longer rows were slower in blocks than in the recurrent kernel on the H200 (24 tokens), rows
-# of 16 faster
-BLOCK_MAX_TOKENS = 16
-# the products against the float32 state take it as this many half-precision terms (the
-# state less the terms before): q and k are the model's half-precision values, so each product
-# is exact but for its float32 sums, and two terms carry 16 of the state's 24 bits, far below
-# the outputs' own half-precision rounding; in registers, q and k take half the room of float32
-BLOCK_SPLIT = 2
-BLOCK_KEYS = 32  # keys a step of the block kernel's products reads
 # The short causal conv before the core is one kernel a layer (`short_conv`), where Inductor
 # made two; it reads its input, a column slice of the fused input projection, in place through
 # its strides, and writes no conv state for option rows (a leaf's state is never read)
@@ -142,12 +116,10 @@ if triton is not None:
         V: tl.constexpr,
         BV: tl.constexpr,
         EPS: tl.constexpr,
-        STATE: tl.constexpr,
     ):
         """One program: one row, one value head, BV value columns, the row's valid tokens in
-        order, zeros for its padding (whose outputs no valid token reads). The next token's
-        inputs are loaded before this token's arithmetic; with STATE the tile's final state is
-        written."""
+        order, zeros for its padding (whose outputs no valid token reads), then the tile's final
+        state. The next token's inputs are loaded before this token's arithmetic."""
         i_v = tl.program_id(0)
         i_nh = tl.program_id(1).to(tl.int64)
         i_n = i_nh // HV
@@ -186,134 +158,8 @@ if triton is not None:
             tl.store(out + (token * HV + i_hv) * V + o_v, tl.zeros([BV], out.dtype.element_ty))
             token += 1
             t += 1
-        if STATE:
-            kept = final + (i_n * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(kept, h)
-
-    @triton.jit
-    def _option_blocks_kernel(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        states,
-        src,
-        lengths,
-        out,
-        scale,
-        B,
-        T: tl.constexpr,
-        TP: tl.constexpr,
-        R: tl.constexpr,
-        H: tl.constexpr,
-        HV: tl.constexpr,
-        K: tl.constexpr,
-        V: tl.constexpr,
-        BV: tl.constexpr,
-        EPS: tl.constexpr,
-        SPLIT: tl.constexpr,
-        KC: tl.constexpr,
-    ):
-        """One program: R rows of T tokens (TP slots each, T's power of two), one value head,
-        BV value columns. With G a row's cumulative gates, S0 its source state and A[t, s] =
-        e^(G_t−G_s) k_t·k_s, P[t, s] = e^(G_t−G_s) q_t·k_s:
-        u_t = β_t(v_t − e^G_t S0ᵀk_t − Σ_(s<t) A[t, s] u_s) and
-        o_t = e^G_t S0ᵀq_t + Σ_(s≤t) P[t, s] u_s; zeros past a row's length."""
-        i_v = tl.program_id(0)
-        i_hv = tl.program_id(1)
-        i_b = tl.program_id(2)
-        i_h = i_hv // (HV // H)
-        flat = tl.arange(0, R * TP)
-        row = i_b * R + flat // TP
-        step = flat % TP
-        inside = row < B
-        length = tl.load(lengths + row, mask=inside, other=0)
-        live = inside & (step < length)
-        token = row * T + step
-        o_v = i_v * BV + tl.arange(0, BV)
-        at_qk = (token * H + i_h)[:, None] * K
-        # the tokens against each other (K Kᵀ, Q Kᵀ) and the l2 norms
-        q_sq = tl.zeros([R * TP], dtype=tl.float32)
-        k_sq = tl.zeros([R * TP], dtype=tl.float32)
-        kk = tl.zeros([R * TP, R * TP], dtype=tl.float32)
-        qk = tl.zeros([R * TP, R * TP], dtype=tl.float32)
-        for c in tl.range(0, K // KC, num_stages=1):
-            o_c = c * KC + tl.arange(0, KC)
-            b_k = tl.load(k + at_qk + o_c[None, :], mask=live[:, None], other=0.0)
-            b_q = tl.load(q + at_qk + o_c[None, :], mask=live[:, None], other=0.0)
-            wide = b_q.to(tl.float32)
-            q_sq += tl.sum(wide * wide, 1)
-            wide = b_k.to(tl.float32)
-            k_sq += tl.sum(wide * wide, 1)
-            kk = tl.dot(b_k, tl.trans(b_k), kk)
-            qk = tl.dot(b_q, tl.trans(b_k), qk)
-        r_q = scale / tl.sqrt(q_sq + EPS)
-        r_k = 1.0 / tl.sqrt(k_sq + EPS)
-        b_g = tl.load(g + token * HV + i_hv, mask=live, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + token * HV + i_hv, mask=live, other=0.0).to(tl.float32)
-        # a row's own block of K Kᵀ and Q Kᵀ, [R, TP, TP]
-        rows_a = tl.arange(0, R)[:, None, None, None]
-        rows_b = tl.arange(0, R)[None, None, :, None]
-        kk = kk * r_k[:, None] * r_k[None, :]
-        kk = tl.sum(tl.where(rows_a == rows_b, tl.reshape(kk, [R, TP, R, TP]), 0.0), 2)
-        qk = qk * r_q[:, None] * r_k[None, :]
-        qk = tl.sum(tl.where(rows_a == rows_b, tl.reshape(qk, [R, TP, R, TP]), 0.0), 2)
-        cum = tl.cumsum(tl.reshape(b_g, [R, TP]), 1)
-        steps = tl.arange(0, TP)
-        t_of = steps[None, :, None]
-        s_of = steps[None, None, :]
-        upto = s_of <= t_of
-        decay = tl.where(upto, tl.exp(tl.where(upto, cum[:, :, None] - cum[:, None, :], 0.0)), 0.0)
-        lower = tl.where(s_of < t_of, decay * kk, 0.0) * tl.reshape(b_beta, [R, TP])[:, :, None]
-        # (I + lower)⁻¹ by forward substitution, then W = P (I + lower)⁻¹: u = (I + lower)⁻¹ rhs
-        # gives o = e^G S0ᵀq + W rhs
-        solved = tl.where(s_of == t_of, 1.0, 0.0) + tl.zeros([R, TP, TP], dtype=tl.float32)
-        for t in tl.static_range(1, TP):
-            at = t_of == t
-            a_t = tl.sum(tl.where(at, lower, 0.0), 1)  # [R, TP]: lower[t, s]
-            row_t = tl.sum(a_t[:, :, None] * solved, 1)  # [R, TP]: Σ_s lower[t, s] solved[s]
-            solved = tl.where(at, solved - row_t[:, None, :], solved)
-        mixed = decay * qk
-        weights = tl.sum(mixed[:, :, :, None] * solved[:, None, :, :], 2)
-        # one product over the block's tokens with W's blocks on its diagonal: a row's terms
-        # are its own, the others exact zeros (TF32×3 below: within a float32 rounding)
-        block = tl.where(rows_a == rows_b, weights[:, :, None, :], 0.0)
-        block = tl.reshape(block, [R * TP, R * TP])
-        # S0ᵀk and S0ᵀq of every token, a source at a time (rows are sorted by source), KC keys
-        # a step: q and k in their half precision, the products' exact operands (the l2 norms
-        # scale the products' rows afterwards), the float32 state as SPLIT half-precision
-        # terms. Another source's rows enter a product as zero rows, which add exact zeros
-        sources = tl.load(src + row, mask=inside, other=0)
-        none = 1 << 30
-        source = tl.min(tl.where(inside, sources, none))
-        ks = tl.zeros([R * TP, BV], dtype=tl.float32)
-        qs = tl.zeros([R * TP, BV], dtype=tl.float32)
-        while source < none:
-            mine = (live & (sources == source))[:, None]
-            tile = states + (source * HV + i_hv) * K * V + o_v[None, :]
-            for c in tl.range(0, K // KC, num_stages=1):
-                o_c = c * KC + tl.arange(0, KC)
-                b_k = tl.load(k + at_qk + o_c[None, :], mask=mine, other=0.0)
-                b_q = tl.load(q + at_qk + o_c[None, :], mask=mine, other=0.0)
-                rest = tl.load(tile + o_c[:, None] * V)
-                part = rest.to(b_k.dtype)
-                ks = tl.dot(b_k, part, ks)
-                qs = tl.dot(b_q, part, qs)
-                for _ in tl.static_range(SPLIT - 1):
-                    rest = rest - part.to(tl.float32)
-                    part = rest.to(b_k.dtype)
-                    ks = tl.dot(b_k, part, ks)
-                    qs = tl.dot(b_q, part, qs)
-            source = tl.min(tl.where(inside & (sources > source), sources, none))
-        at_v = (token * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_v = tl.load(v + at_v, mask=live[:, None], other=0.0).to(tl.float32)
-        gamma = tl.exp(tl.reshape(cum, [R * TP]))[:, None]
-        rhs = b_beta[:, None] * (b_v - gamma * ks * r_k[:, None])
-        b_o = gamma * qs * r_q[:, None] + tl.dot(block, rhs, input_precision="tf32x3")
-        b_o = tl.where(live[:, None], b_o, 0.0)
-        kept = inside & (step < T)
-        tl.store(out + at_v, b_o.to(out.dtype.element_ty), mask=kept[:, None])
+        kept = final + (i_n * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(kept, h)
 
     @triton.jit
     def _short_conv_kernel(
@@ -388,43 +234,6 @@ if triton is not None:
         return tl.where(before[:, None], old.to(tl.float32), own.to(tl.float32))
 
 
-@torch.library.custom_op("omnijev::option_rows_gated_delta", mutates_args=())
-def option_rows_gated_delta(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    states: torch.Tensor,
-    src: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Option rows as leaves: row n continues `states[src[n]]` (float32 [S, HV, dk, dv], read
-    in place, never gathered per row) and returns only its outputs [B, T, HV, dv] in v's dtype.
-    q, k [B, T, H, dk] and v [B, T, HV, dv] in any layout (made contiguous); g, beta float32
-    [B, T, HV]. The kernel walks each row's first
-    `lengths[n]` tokens and writes zeros after them: a padded token (g = β = 0) leaves the
-    state as it is and no valid token reads its output (most of a many-option pass's tokens
-    are padding). BF16 rows of at most BLOCK_MAX_TOKENS tokens take the block kernel, the
-    others the recurrent one."""
-    if blocks_fit(q):
-        return option_blocks(q, k, v, g, beta, states, src, lengths, scale)
-    return option_rows(q, k, v, g, beta, states, src, lengths, scale)
-
-
-def blocks_fit(q: torch.Tensor) -> bool:
-    """Whether option rows shaped as q [B, T, H, dk] run the block kernel."""
-    # BF16 only: the state's two terms need BF16's range (float16's would flush its small
-    # values); the engines run BF16 or float32 (runtime.constants.MODEL_DTYPES)
-    return q.dtype == torch.bfloat16 and q.shape[1] <= BLOCK_MAX_TOKENS
-
-
-@option_rows_gated_delta.register_fake
-def _(q, k, v, g, beta, states, src, lengths, scale):
-    return v.new_empty(v.shape)
-
-
 @torch.library.custom_op("omnijev::rows_gated_delta", mutates_args=())
 def rows_gated_delta(
     q: torch.Tensor,
@@ -437,13 +246,17 @@ def rows_gated_delta(
     lengths: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows that carry their state on: row n continues `states[src[n]]` and returns its
-    outputs and its final state [B, HV, dk, dv] (float32). Passes of at most ROWS_MAX_TOKENS
-    tokens run our kernel (the sources' states read in place); longer ones (image prefixes)
-    fla's on the gathered states (`fla_gated_delta`). Shapes as `option_rows_gated_delta`; the
-    choice is made here, out of the compiler's sight, so that it adds no guard on the length."""
+    """Rows that carry their state on: row n continues `states[src[n]]` (float32 [S, HV, dk,
+    dv]) and returns its outputs [B, T, HV, dv] in v's dtype and its final state [B, HV, dk, dv]
+    (float32). q, k [B, T, H, dk] and v [B, T, HV, dv] in any layout (made contiguous); g, beta
+    float32 [B, T, HV]. Passes of at most ROWS_MAX_TOKENS tokens run our kernel (the sources'
+    states read in place, never gathered per row; a row's first `lengths[n]` tokens walked, zeros
+    written after them: a padded token, g = β = 0, leaves the state as it is and no valid token
+    reads its output); longer ones (image prefixes) fla's on the gathered states
+    (`fla_gated_delta`). The choice is made here, out of the compiler's sight, so that it adds no
+    guard on the length."""
     if q.shape[1] <= ROWS_MAX_TOKENS:
-        return option_rows(q, k, v, g, beta, states, src, lengths, scale, state=True)
+        return option_rows(q, k, v, g, beta, states, src, lengths, scale)
     # one source (an image prefix's empty state): a view, where a gather was a kernel a layer
     return fla_gated_delta(q, k, v, g, beta, per_row(states, src, q.shape[0]), scale)
 
@@ -455,8 +268,8 @@ def _(q, k, v, g, beta, states, src, lengths, scale):
     return v.new_empty(v.shape), final
 
 
-def option_rows(q, k, v, g, beta, states, src, lengths, scale, state: bool = False):
-    """The rows kernel, with (`state`: returns (out, final)) or without the final state."""
+def option_rows(q, k, v, g, beta, states, src, lengths, scale):
+    """The rows kernel: (out, final state), shapes as `rows_gated_delta`."""
     if triton is None:
         raise RuntimeError("the rows kernel needs triton")
     b, t, heads, dk = q.shape
@@ -464,7 +277,7 @@ def option_rows(q, k, v, g, beta, states, src, lengths, scale, state: bool = Fal
     if dv % ROWS_BLOCK_V or dk & (dk - 1) or value_heads % heads:
         raise ValueError(f"rows kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}")
     out = v.new_empty(b, t, value_heads, dv)
-    final = states.new_empty(b, value_heads, dk, dv, dtype=torch.float32) if state else out
+    final = states.new_empty(b, value_heads, dk, dv, dtype=torch.float32)
     grid = (dv // ROWS_BLOCK_V, b * value_heads)
     _rows_kernel[grid](
         *contiguous(q, k, v, g, beta, states, src, lengths),
@@ -478,50 +291,14 @@ def option_rows(q, k, v, g, beta, states, src, lengths, scale, state: bool = Fal
         V=dv,
         BV=ROWS_BLOCK_V,
         EPS=L2_EPS,
-        STATE=state,
         num_warps=ROWS_WARPS,
     )
-    return (out, final) if state else out
+    return out, final
 
 
 def contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The kernels' tensor arguments, each contiguous (a copy only where one is not)."""
     return [t.contiguous() for t in tensors]
-
-
-def option_blocks(q, k, v, g, beta, states, src, lengths, scale):
-    """The block kernel. q and k in half precision (the products' operands); rows sorted by
-    source, as plans give them (any order is right, but a block then reads each of its
-    sources)."""
-    if triton is None:
-        raise RuntimeError("the block kernel needs triton")
-    b, t, heads, dk = q.shape
-    value_heads, dv = v.shape[2], v.shape[3]
-    if dv % BLOCK_V or dk & (dk - 1) or value_heads % heads or t > BLOCK_MAX_TOKENS:
-        raise ValueError(f"block kernel: dk {dk}, dv {dv}, heads {heads}/{value_heads}, t {t}")
-    slots = triton.next_power_of_2(t)
-    rows = max(1, BLOCK_TOKENS // slots)
-    out = v.new_empty(b, t, value_heads, dv)
-    grid = (dv // BLOCK_V, value_heads, triton.cdiv(b, rows))
-    _option_blocks_kernel[grid](
-        *contiguous(q, k, v, g, beta, states, src, lengths),
-        out,
-        scale,
-        b,
-        T=t,
-        TP=slots,
-        R=rows,
-        H=heads,
-        HV=value_heads,
-        K=dk,
-        V=dv,
-        BV=BLOCK_V,
-        EPS=L2_EPS,
-        SPLIT=BLOCK_SPLIT,
-        KC=BLOCK_KEYS,
-        num_warps=BLOCK_WARPS,
-    )
-    return out
 
 
 @torch.library.custom_op("omnijev::short_conv", mutates_args=())

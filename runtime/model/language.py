@@ -328,8 +328,8 @@ class GatedDeltaNet(nn.Module):
     def mix(self, raw, z, beta_raw, a, valid, lengths, conv_past, rec_past, want_state, src):
         """Rows [B, T] of `project`'s outputs: the normed core output [B, T, HV·dv] (before
         out_proj), the conv state and the recurrent state. With `src`, `rec_past` holds one
-        state per source and row n continues `rec_past[src[n]]` (option rows: on CUDA read in
-        place by the kernel, never gathered)."""
+        state per source and row n continues `rec_past[src[n]]` (on CUDA read in place by the
+        kernel, never gathered)."""
         b, t, _ = raw.shape
         mixed, conv_state = self.conv(raw, conv_past, lengths, want_state)
         key_width = self.k_heads * self.dk
@@ -352,15 +352,11 @@ class GatedDeltaNet(nn.Module):
             if src is None:
                 src = torch.arange(b, device=raw.device)
             states = rec_past.float().contiguous()
-            if not want_state:
-                out = gdn_kernels.option_rows_gated_delta(
-                    q, k, v, g, beta, states, src, lengths, self.dk**-0.5
-                )
-                rec_state = None
-            else:
-                out, rec_state = gdn_kernels.rows_gated_delta(
-                    q, k, v, g, beta, states, src, lengths, self.dk**-0.5
-                )
+            # the recurrent state comes back wanted or not, as from the eager cores: every pass
+            # that runs this core keeps it (the torch backend's "lm_state")
+            out, rec_state = gdn_kernels.rows_gated_delta(
+                q, k, v, g, beta, states, src, lengths, self.dk**-0.5
+            )
         else:
             if src is not None:
                 rec_past = per_row(rec_past, src, b)
