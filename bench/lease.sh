@@ -14,10 +14,11 @@
 #   4: (a short lease's second call) call 2's in-process check, then call 3's parity and reference.
 #   5: this tree served again on the caches call 1 left (its start), the suite at 1, 16 and 64
 #      clients with every answer compared, then at one client with `--merge off` (ALONE=0: not).
+#   6: (a lease short of time's last) the reference's time and the start under cProfile.
 # A full lease is calls 1, 5, 2, 3; a short one 1 and 4. Carry .gpu-wheels and .before:
 #   CALL_S=580 bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
-call=${1:?usage: bench/lease.sh 1-5 OUTDIR}; out=${2:?usage: bench/lease.sh 1-5 OUTDIR}
+call=${1:?usage: bench/lease.sh 1-6 OUTDIR}; out=${2:?usage: bench/lease.sh 1-6 OUTDIR}
 # a machine lent again may keep an earlier lease's /tmp: none of its results may pass for this one's
 work=/tmp/lease-$call; rm -rf "$work"; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
@@ -87,7 +88,15 @@ case $call in
       bash bench/serve_ab.sh . alone "$work"
     stop_workers
     ;;
-  *) echo "the call is 1 to 5, got $call"; exit 2 ;;
+  6)
+    # a lease short of time's last call: the reference's time (issue 46's 7×) and the start
+    # under cProfile, without call 3's parity
+    py $(($(left) * 2 / 3)) python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
+      --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
+    py $(left) python3 -m bench.start_profile --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
+      --out "$work/start-profile.json" > "$work/start-profile.log" 2>&1
+    ;;
+  *) echo "the call is 1 to 6, got $call"; exit 2 ;;
 esac
 exit_call
 
