@@ -6,7 +6,8 @@
 #   2: the baseline in .before (`git archive 226ddae | tar x -C .before`, carried) served cold
 #      the same way, without clips or 64 clients; this tree in process (`bench.packed_check`:
 #      every question alone against its request, the stage and kernel profiles); `omnijev
-#      bench`'s six workloads in this tree then the baseline;
+#      bench`'s six workloads in this tree then the baseline (BASE_CLIENTS=1: the baseline at
+#      one client only; WORKLOADS=0: no workloads, for a lease short of time);
 #   3: BF16 parity beside the BF16 reference's own distance to float32 (the four stills and
 #      MORE_IMAGES seeded ones, 12 by default: 320 answers), the reference's time on
 #      the suite's 12-question requests, `bench.blas_rows` on cards other than the H100, the
@@ -42,11 +43,12 @@ case $call in
     stop_workers
     ;;
   2)
-    CLIENTS=1,16 CLIENT_REQUESTS=200 timeout $(($(left) - 200)) bash bench/serve_ab.sh .before base "$work"
+    CLIENTS=${BASE_CLIENTS:-1,16} CLIENT_REQUESTS=200 timeout $(($(left) - 200)) bash bench/serve_ab.sh .before base "$work"
     stop_workers
     py $(($(left) / 3)) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
       --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
     # the bench's six workloads in process, this tree then the baseline (issue 46: ≤ 10 % slower)
+    [[ ${WORKLOADS:-1} == 0 ]] && exit_call
     py $(($(left) / 2)) python3 -m runtime.cli bench --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
       --backend torch --prefix-cache 0 --clients 0 --out "$work/bench-new.json" > "$work/bench-new.log" 2>&1
     (cd .before && py $(left) python3 -m runtime.cli bench --checkpoint "$ck" \
