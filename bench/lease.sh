@@ -16,10 +16,12 @@
 #   5: this tree served again on the caches call 1 left (its start), the suite at 1, 16 and 64
 #      clients with every answer compared, then at one client with `--merge off` (ALONE=0: not).
 #   6: (a lease short of time's last) the reference's time and the start under cProfile.
-# A full lease is calls 1, 5, 2, 3; a short one 1 and 4. Carry .gpu-wheels and .before:
+#   7: (a lease with one call's time) the checkpoint, this tree and the baseline served at one
+#      client, this tree's stage and kernel profiles.
+# A full lease is calls 1, 5, 2, 3; a short one 1 and 4; the shortest 7. Carry .gpu-wheels and .before:
 #   CALL_S=580 bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
-call=${1:?usage: bench/lease.sh 1-6 OUTDIR}; out=${2:?usage: bench/lease.sh 1-6 OUTDIR}
+call=${1:?usage: bench/lease.sh 1-7 OUTDIR}; out=${2:?usage: bench/lease.sh 1-7 OUTDIR}
 # a machine lent again may keep an earlier lease's /tmp: none of its results may pass for this one's
 work=/tmp/lease-$call; rm -rf "$work"; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
@@ -98,7 +100,19 @@ case $call in
     py $(left) python3 -m bench.start_profile --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
       --out "$work/start-profile.json" > "$work/start-profile.log" 2>&1
     ;;
-  *) echo "the call is 1 to 6, got $call"; exit 2 ;;
+  7)
+    # a lease with one call's time: the checkpoint, this tree then the baseline served at one
+    # client (the mixed suite, the held-out stream, 12 and 1 questions), then this tree's stage
+    # and kernel profiles in process
+    CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
+    CLIENTS=none timeout $(($(left) * 11 / 20)) bash bench/serve_ab.sh . new "$work"
+    stop_workers
+    CLIENTS=none timeout $(($(left) * 3 / 5)) bash bench/serve_ab.sh .before base "$work"
+    stop_workers
+    py $(left) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
+      --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
+    ;;
+  *) echo "the call is 1 to 7, got $call"; exit 2 ;;
 esac
 exit_call
 
