@@ -123,13 +123,15 @@ def encode_video_prompts(
     pieces = [prompt.split(IMAGE_PAD) for prompt in prompts]
     if any(len(parts) != len(counts) + 1 for parts in pieces):
         raise ContractError(PLACEHOLDER_ERROR)
-    encodings = iter(encode_each(tokenizer, [part for parts in pieces for part in parts]))
+    # every question's prompt holds the same frames' pieces: each text is encoded once
+    texts = list(dict.fromkeys(part for parts in pieces for part in parts))
+    ids_of = {text: e.ids for text, e in zip(texts, encode_each(tokenizer, texts), strict=True)}
     out = []
-    for _ in prompts:
-        ids = list(next(encodings).ids)
-        for count in counts:
+    for parts in pieces:
+        ids = list(ids_of[parts[0]])
+        for count, part in zip(counts, parts[1:], strict=True):
             ids += [IMAGE_PAD_ID] * count
-            ids += next(encodings).ids
+            ids += ids_of[part]
         out.append(ids)
     return out
 
