@@ -32,7 +32,12 @@ ck=/tmp/omnijev/4b-export
 stop_workers() { pkill -f "runtime.cli serve" && sleep 2; return 0; }
 left() { local s=$((${CALL_S:-585} - SECONDS)); echo $((s > 1 ? s : 1)); }  # what is left of the call (CALL_S, at most ten minutes), less the tar
 py() { PYTHONPATH=/tmp/site:/tmp/fla:. timeout "$@"; }  # SECONDS, then the module and its options
+# the results so far into OUTDIR each minute: a call cut short (its limit, or the lease's time
+# spent) still returns what it had
+(while sleep 60; do tar czf "$out/.lease-$call.tgz" -C "$work" . && mv "$out/.lease-$call.tgz" "$out/lease-$call.tgz"; done) &
+saver=$!
 exit_call() {  # the call's results into OUTDIR, and the ends of its logs
+  kill $saver 2> /dev/null
   tar czf "$out/lease-$call.tgz" -C "$work" .
   cp "$work/log.txt" "$out/" 2> /dev/null
   tail -30 "$work/log.txt" "$work"/*.log 2> /dev/null
