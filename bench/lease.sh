@@ -18,10 +18,11 @@
 #   6: (a lease short of time's last) the reference's time and the start under cProfile.
 #   7: (a lease with one call's time) the checkpoint, this tree and the baseline served at one
 #      client, this tree's stage and kernel profiles.
-# A full lease is calls 1, 5, 2, 3; a short one 1 and 4; the shortest 7. Carry .gpu-wheels and .before:
+#   8: (the least) the checkpoint, this tree's engine directory, its profiles in process.
+# A full lease is calls 1, 5, 2, 3; a short one 1 and 4; one call 7 or 8. Carry .gpu-wheels and .before:
 #   CALL_S=580 bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
-call=${1:?usage: bench/lease.sh 1-7 OUTDIR}; out=${2:?usage: bench/lease.sh 1-7 OUTDIR}
+call=${1:?usage: bench/lease.sh 1-8 OUTDIR}; out=${2:?usage: bench/lease.sh 1-8 OUTDIR}
 # a machine lent again may keep an earlier lease's /tmp: none of its results may pass for this one's
 work=/tmp/lease-$call; rm -rf "$work"; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
@@ -117,7 +118,17 @@ case $call in
     py $(left) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
       --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
     ;;
-  *) echo "the call is 1 to 7, got $call"; exit 2 ;;
+  8)
+    # the least a lease can settle: the checkpoint, this tree's engine directory, then its
+    # stage and kernel profiles and its questions alone against together, in process
+    CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
+    PYTHONPATH=/tmp/site:. timeout $(($(left) * 2 / 3)) python3 -c "
+from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '/tmp/omnijev/engines-new', 'bfloat16')" \
+      > "$work/engines.log" 2>&1
+    py $(left) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
+      --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
+    ;;
+  *) echo "the call is 1 to 8, got $call"; exit 2 ;;
 esac
 exit_call
 
