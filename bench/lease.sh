@@ -19,10 +19,11 @@
 #   7: (a lease with one call's time) the checkpoint, this tree and the baseline served at one
 #      client, this tree's stage and kernel profiles.
 #   8: (the least) the checkpoint, this tree's engine directory, its profiles in process.
+#   9: the packed recurrence alone against .prev/packed_kernels.py (bench.delta_step).
 # A full lease is calls 1, 5, 2, 3; a short one 1 and 4; one call 7 or 8. Carry .gpu-wheels and .before:
 #   CALL_S=580 bash bench/lease.sh 1 "$OUT"
 set -uo pipefail
-call=${1:?usage: bench/lease.sh 1-8 OUTDIR}; out=${2:?usage: bench/lease.sh 1-8 OUTDIR}
+call=${1:?usage: bench/lease.sh 1-9 OUTDIR}; out=${2:?usage: bench/lease.sh 1-9 OUTDIR}
 # a machine lent again may keep an earlier lease's /tmp: none of its results may pass for this one's
 work=/tmp/lease-$call; rm -rf "$work"; mkdir -p "$work"
 export PYTHONUNBUFFERED=1 FLA_PATH=/tmp/fla
@@ -128,7 +129,13 @@ from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '/tm
     py $(left) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
       --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
     ;;
-  *) echo "the call is 1 to 8, got $call"; exit 2 ;;
+  9)
+    # the packed recurrence alone against a previous version's (`git show REV:runtime/model/
+    # packed_kernels.py > .prev/packed_kernels.py`, carried): no checkpoint, a minute
+    py $(left) python3 -m bench.delta_step --other .prev/packed_kernels.py \
+      --out "$work/delta-step.json" > "$work/delta-step.log" 2>&1
+    ;;
+  *) echo "the call is 1 to 9, got $call"; exit 2 ;;
 esac
 exit_call
 
