@@ -41,8 +41,11 @@ def other_module(path: Path):
     return module
 
 
-def pack(size: int, table: int, texts: int, text_tokens: int, options: int, option_tokens: int):
-    """The rows and the inputs of one pack on the GPU, seeded."""
+def pack(spec: tuple, device: str = "cuda", dims: tuple = (HEADS, VALUE_HEADS, DK, DV)):
+    """The rows and the inputs of one pack (`PACKS`' spec) on `device`, seeded; `dims`: key
+    heads, value heads, key and value widths."""
+    size, table, texts, text_tokens, options, option_tokens = spec
+    heads, value_heads, dk, dv = dims
     gen = torch.Generator().manual_seed(0)
     start = torch.full((table + 1,), size, dtype=torch.int64)
     length = torch.zeros(table + 1, dtype=torch.int64)
@@ -60,14 +63,15 @@ def pack(size: int, table: int, texts: int, text_tokens: int, options: int, opti
             at, row = at + tokens, row + 1
     assert at <= size and row <= table, (at, row)
     rows = Rows(start, length, parent, torch.zeros_like(start), token_row, token_step)
-    rows = Rows(*(t.cuda() for t in rows))
-    q = torch.randn(size, HEADS, DK, generator=gen).bfloat16().cuda()
-    k = torch.randn(size, HEADS, DK, generator=gen).bfloat16().cuda()
-    v = torch.randn(size, VALUE_HEADS, DV, generator=gen).bfloat16().cuda()
-    g = (-torch.rand(size, VALUE_HEADS, generator=gen) * 0.1).cuda()
-    beta = torch.rand(size, VALUE_HEADS, generator=gen).cuda()
-    states = (torch.randn(1, VALUE_HEADS, DK, DV, generator=gen) * 0.05).cuda()
-    return (q, k, v, g, beta, states, rows, DK**-0.5)
+    rows = Rows(*(t.to(device) for t in rows))
+    half = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's: float32
+    q = torch.randn(size, heads, dk, generator=gen).to(device, half)
+    k = torch.randn(size, heads, dk, generator=gen).to(device, half)
+    v = torch.randn(size, value_heads, dv, generator=gen).to(device, half)
+    g = (-torch.rand(size, value_heads, generator=gen) * 0.1).to(device)
+    beta = torch.rand(size, value_heads, generator=gen).to(device)
+    states = (torch.randn(1, value_heads, dk, dv, generator=gen) * 0.05).to(device)
+    return (q, k, v, g, beta, states, rows, dk**-0.5)
 
 
 def timed(run, args) -> tuple[float, torch.Tensor]:
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| pack | this tree ms | other ms | this / other | max difference |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, spec in PACKS.items():
-        inputs = pack(*spec)
+        inputs = pack(spec)
         ours, out = timed(packed_gated_delta, inputs)
         theirs, other_out = timed(other.packed_gated_delta, inputs)
         difference = float((out - other_out).abs().max())

@@ -461,3 +461,35 @@ def test_parity_adds_seeded_stills_and_counts_which_side_lies_nearer_float32():
     engine = {"runs": [{"differences": [0.1, 0.2]}, {"differences": [0.0]}]}
     low = {"runs": [{"differences": [0.3, 0.1]}, {"differences": [0.0]}]}
     assert paired(engine, low) == {"answers": 3, "engine_nearer": 1, "reference_nearer": 1}
+
+
+DELTA_STEP_CHECK = """
+from pathlib import Path
+import torch
+from bench import delta_step
+from runtime.model.packed_kernels import packed_gated_delta
+
+other = delta_step.other_module(Path("runtime/model/packed_kernels.py"))
+for name, spec in delta_step.PACKS.items():
+    size, table, texts, text_tokens, options, option_tokens = spec
+    inputs = delta_step.pack(spec, "cpu", (2, 4, 16, 16))
+    rows = inputs[6]
+    texts_at = [i for i in range(table) if rows.length[i] > 0 and rows.parent[i] < 0]
+    options_at = [i for i in range(table) if rows.parent[i] >= 0]
+    assert len(texts_at) == texts and len(options_at) == texts * options, name
+    assert all(int(rows.parent[i]) in texts_at for i in options_at), name
+    assert int(rows.length.sum()) == texts * (text_tokens + options * option_tokens) <= size
+    if name == "1 question":  # the interpreter is slow: one pack through both kernels
+        ours, theirs = packed_gated_delta(*inputs), other.packed_gated_delta(*inputs)
+        assert torch.equal(ours, theirs) and ours.abs().max() > 0
+print("ok")
+"""
+
+
+def test_delta_step_packs_and_loads_another_kernel_file():
+    """`bench.delta_step` (the GPU's check of a change to the packed recurrence): its packs
+    hold the text and option rows they name, and another file's kernels load under other op
+    names beside this tree's and run (this tree's own file: the same bytes), on the CPU."""
+    from tests.interpreted import run_interpreted
+
+    assert run_interpreted(DELTA_STEP_CHECK)[-1] == "ok"
