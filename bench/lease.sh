@@ -45,6 +45,24 @@ exit_call() {  # the call's results into OUTDIR, and the ends of its logs
   tail -30 "$work/log.txt" "$work"/*.log 2> /dev/null
   exit 0
 }
+# the steps several calls run, each given its timeout in seconds
+check() {  # this tree in process: every question alone against its request, stage and kernel profiles
+  py "$1" python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
+    --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
+}
+parity() {  # BF16 parity beside the BF16 reference's own distance to float32
+  py "$1" python3 -m runtime.cli parity --checkpoint "$ck" \
+    --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
+    --more-images "${MORE_IMAGES:-12}" --out "$work/parity.json" > "$work/parity.log" 2>&1
+}
+reference() {  # the reference's time on the suite's 12-question requests
+  py "$1" python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
+    --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
+}
+start_profile() {  # where a start on call 1's caches spends its time
+  py "$1" python3 -m bench.start_profile --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
+    --out "$work/start-profile.json" > "$work/start-profile.log" 2>&1
+}
 case $call in
   1)
     CHECKPOINT_ONLY=1 bash bench/serve_ab.sh . new "$work"
@@ -54,8 +72,7 @@ case $call in
   2)
     CLIENTS=${BASE_CLIENTS:-1,16} CLIENT_REQUESTS=200 timeout $(($(left) - 200)) bash bench/serve_ab.sh .before base "$work"
     stop_workers
-    py $(($(left) / 3)) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
-      --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
+    check $(($(left) / 3))
     # the bench's six workloads in process, this tree then the baseline (issue 46: ≤ 10 % slower)
     [[ ${WORKLOADS:-1} == 0 ]] && exit_call
     py $(($(left) / 2)) python3 -m runtime.cli bench --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
@@ -65,28 +82,19 @@ case $call in
       --out "$work/bench-base.json" > "$work/bench-base.log" 2>&1)
     ;;
   3)
-    py $(($(left) * 3 / 5)) python3 -m runtime.cli parity --checkpoint "$ck" \
-      --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
-      --more-images "${MORE_IMAGES:-12}" --out "$work/parity.json" > "$work/parity.log" 2>&1
-    py $(($(left) * 2 / 3)) python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
-      --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
+    parity $(($(left) * 3 / 5))
+    reference $(($(left) * 2 / 3))
     grep -q H100 "$work/card.txt" || py 100 python3 -m bench.blas_rows --out "$work/blas-rows.json" \
       > "$work/blas-rows.log" 2>&1
-    # where a start on call 1's caches spends its time (the load and the warm-up request)
-    py 150 python3 -m bench.start_profile --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
-      --out "$work/start-profile.json" > "$work/start-profile.log" 2>&1
+    start_profile 150
     py $(left) python3 -m bench.kernels --checkpoint "$ck" --engines /tmp/omnijev/engines-base \
       --tree .before --out "$work/kernels-base.json" > "$work/kernels-base.log" 2>&1
     ;;
   4)
     # a short lease's second call: call 2's in-process check and call 3's parity and reference
-    py $(($(left) / 3)) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
-      --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
-    py $(($(left) * 2 / 3)) python3 -m runtime.cli parity --checkpoint "$ck" \
-      --engines /tmp/omnijev/engines-new --backend torch --bf16-reference --device cuda \
-      --more-images "${MORE_IMAGES:-12}" --out "$work/parity.json" > "$work/parity.log" 2>&1
-    py $(left) python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
-      --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
+    check $(($(left) / 3))
+    parity $(($(left) * 2 / 3))
+    reference $(left)
     ;;
   5)
     # issue 47's client counts on the engine directory call 1 built (its start is the cached one)
@@ -102,10 +110,8 @@ case $call in
   6)
     # a lease short of time's last call: the reference's time (issue 46's 7×) and the start
     # under cProfile, without call 3's parity
-    py $(($(left) * 2 / 3)) python3 -m bench.reference_suite --checkpoint "$ck" --requests 3 --runs 10 \
-      --out "$work/reference-suite.json" > "$work/reference.log" 2>&1
-    py $(left) python3 -m bench.start_profile --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
-      --out "$work/start-profile.json" > "$work/start-profile.log" 2>&1
+    reference $(($(left) * 2 / 3))
+    start_profile $(left)
     ;;
   7)
     # a lease with one call's time: the checkpoint, this tree then the baseline served at one
@@ -116,8 +122,7 @@ case $call in
     stop_workers
     CLIENTS=none timeout $(($(left) * 3 / 5)) bash bench/serve_ab.sh .before base "$work"
     stop_workers
-    py $(left) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
-      --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
+    check $(left)
     ;;
   8)
     # the least a lease can settle: the checkpoint, this tree's engine directory, then its
@@ -126,8 +131,7 @@ case $call in
     PYTHONPATH=/tmp/site:. timeout $(($(left) * 2 / 3)) python3 -c "
 from build_engines.engines import torch_engine_dir; torch_engine_dir('$ck', '/tmp/omnijev/engines-new', 'bfloat16')" \
       > "$work/engines.log" 2>&1
-    py $(left) python3 -m bench.packed_check --checkpoint "$ck" --engines /tmp/omnijev/engines-new \
-      --requests 6 --out "$work/check.json" > "$work/check.log" 2>&1
+    check $(left)
     ;;
   9)
     # the packed recurrence alone against a previous version's (`git show REV:runtime/model/

@@ -777,7 +777,6 @@ def worker_process() -> None:
 def serve(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM or SIGINT on `sock` (else bind host:port); admitted work finishes
     first, and a clean shutdown exits 0."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     worker_process()
     sock = sock or bind(host, port)
     server = ListeningServer(worker_config(app, host, port), app.state.draining)
